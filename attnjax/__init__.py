@@ -1,0 +1,43 @@
+"""attnjax: scaled dot-product and multi-head attention for JAX.
+
+Layers, each built on the ones before it:
+  core         attention / attention_weights for one example and one head
+  scores       alignment functions (scaled dot, dot, general, additive)
+  masks        boolean mask helpers (True = may attend)
+  dense        the single-head implementation that materialises the weights
+  attention    dot_product_attention on [B, T, N, H], vmapped over heads and batch
+  multi_head   init_multi_head_attention / multi_head_attention (flax's parameter tree)
+"""
+
+from attnjax.attention import IMPLEMENTATIONS, dot_product_attention
+from attnjax.core import attention, attention_weights, masked_softmax
+from attnjax.masks import (
+    causal_mask,
+    combine_masks,
+    padding_mask,
+    query_key_mask,
+    sliding_window_mask,
+)
+from attnjax.multi_head import init_multi_head_attention, multi_head_attention
+from attnjax.scores import additive_score, dot_score, general_score, scaled_dot_score
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "additive_score",
+    "attention",
+    "attention_weights",
+    "causal_mask",
+    "combine_masks",
+    "dot_product_attention",
+    "dot_score",
+    "general_score",
+    "init_multi_head_attention",
+    "masked_softmax",
+    "multi_head_attention",
+    "padding_mask",
+    "query_key_mask",
+    "scaled_dot_score",
+    "sliding_window_mask",
+]

@@ -1,0 +1,132 @@
+"""Argument checks shared by every layer.
+
+Each raises `ValueError` (wrong shape or value) or `TypeError` (wrong dtype or kind) at
+trace time, naming the argument, what was expected and what was given.
+"""
+
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_rank(name: str, x, ranks: Sequence[int], layout: str) -> None:
+    if x.ndim not in ranks:
+        raise ValueError(
+            f"{name} must have rank {' or '.join(map(str, ranks))} ({layout}); "
+            f"got shape {shape_str(x.shape)} (rank {x.ndim})"
+        )
+
+
+def check_floating(name: str, x) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
+
+
+def check_same_dtype(**arrays) -> None:
+    dtypes = {name: x.dtype for name, x in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        raise TypeError(f"{', '.join(dtypes)} must share one dtype; got {listed}")
+
+
+def check_same_last_dim(name_a: str, a, name_b: str, b) -> None:
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(
+            f"{name_a} and {name_b} must have the same head dim H (last axis); got "
+            f"{name_a} {shape_str(a.shape)} and {name_b} {shape_str(b.shape)}"
+        )
+
+
+def check_param_shape(name: str, x, expected: Sequence[int], layout: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(
+            f"{name} must have shape {layout} = {shape_str(expected)}; "
+            f"got {shape_str(x.shape)}"
+        )
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a Python number; got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be positive and finite; got {scale}")
+    return float(scale)
+
+
+def check_mask(name: str, mask, target: Sequence[int], layout: str) -> None:
+    """A boolean mask broadcastable to `target` (True = may attend)."""
+    if not hasattr(mask, "dtype"):
+        raise TypeError(f"{name} must be a boolean array; got {type(mask).__name__}")
+    if mask.dtype != jnp.bool_:
+        hint = " (additive float values belong in bias=)" if jnp.issubdtype(
+            mask.dtype, jnp.floating) else ""
+        raise TypeError(
+            f"{name} must be boolean (True = may attend); got dtype {mask.dtype}{hint}"
+        )
+    check_broadcastable(name, mask, target, layout)
+
+
+def check_bias(name: str, bias, target: Sequence[int], layout: str) -> None:
+    if not hasattr(bias, "dtype") or not jnp.issubdtype(bias.dtype, jnp.floating):
+        got = getattr(bias, "dtype", type(bias).__name__)
+        raise TypeError(f"{name} must be a floating array (additive logits); got {got}")
+    check_broadcastable(name, bias, target, layout)
+
+
+def check_broadcastable(name: str, x, target: Sequence[int], layout: str) -> None:
+    ok = x.ndim <= len(target) and all(
+        d in (1, t) for d, t in zip(x.shape[::-1], target[::-1])
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} must be broadcastable to {layout} = {shape_str(target)}; "
+            f"got {shape_str(x.shape)}"
+        )
+
+
+def check_lengths(name: str, lengths, expected_shape: Sequence[int], layout: str) -> None:
+    if not hasattr(lengths, "dtype"):
+        raise TypeError(f"{name} must be an integer array {layout}; got {type(lengths).__name__}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {lengths.dtype}")
+    if tuple(lengths.shape) != tuple(expected_shape):
+        raise ValueError(
+            f"{name} must have shape {layout} = {shape_str(expected_shape)}; "
+            f"got {shape_str(lengths.shape)}"
+        )
+
+
+def resolve_window(window) -> tuple[int, int] | None:
+    """`window` as (left, right); an int w means (w, w)."""
+    if window is None:
+        return None
+    if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+        window = (int(window), int(window))
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window)
+    ):
+        raise TypeError(f"window must be an int or a pair of ints (left, right); got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < 0 or right < 0:
+        raise ValueError(f"window sizes must be non-negative; got (left, right) = ({left}, {right})")
+    return left, right
+
+
+def check_dropout(rate, rng) -> float:
+    if not isinstance(rate, (int, float, np.floating, np.integer)) or isinstance(rate, bool):
+        raise TypeError(f"dropout_rate must be a Python number; got {type(rate).__name__}")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must lie in [0, 1); got {rate}")
+    if rate > 0.0 and rng is None:
+        raise ValueError(f"dropout_rate={rate} needs a dropout_rng (a jax.random key); got None")
+    return float(rate)

@@ -1,0 +1,151 @@
+"""Layer 1: attention for one example and one head, on 2-D arrays.
+
+    Attention(Q, K, V) = softmax(align(Q, K)) V,   align(Q, K) = Q Kᵀ / √d_k
+
+with the softmax taken row by row over the keys each query may see. Every batched
+form in attnjax is a `jax.vmap` of these functions (or of the chunked implementation
+that computes the same numbers block by block).
+
+Numerics: logits, the softmax and the value accumulation run in float32 for
+float16/bfloat16 inputs; results come back in the input dtype. A query row that sees no
+key gets weights and output of exactly zero, with zero gradients, never NaN.
+"""
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, ArrayLike, Bool, Float
+
+from attnjax import _checks
+from attnjax.scores import _logits_dtype, scaled_dot_score
+
+ScoreFn = Callable[[ArrayLike, Array], Array]
+
+
+def masked_softmax(
+    logits: Float[ArrayLike, "T S"], mask: Bool[ArrayLike, "#T #S"] | None = None
+) -> Float[ArrayLike, "T S"]:
+    """Row-wise softmax over the visible entries; rows with none visible are all zero."""
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    # The max only shifts the exponent for range; the softmax does not depend on it.
+    row_max = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    # A row that sees no key has max −inf: shift by 0 so exp gives 0, not exp(nan).
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    # [T, S]
+    unnormalised = jnp.exp(logits - row_max)
+    # [T, 1]
+    denominator = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    return unnormalised / jnp.where(denominator > 0, denominator, 1.0)
+
+
+def logits(
+    q: Float[ArrayLike, "T _Hq"],
+    k: Float[ArrayLike, "S _Hk"],
+    *,
+    bias: Float[ArrayLike, "#T #S"] | None = None,
+    scale: float | None = None,
+    score_fn: ScoreFn | None = None,
+) -> Float[ArrayLike, "T S"]:
+    """align(q, k) + bias in float32 (float64 for float64 inputs)."""
+    if score_fn is None:
+        out = scaled_dot_score(q, k, scale=scale)
+    else:
+        out = score_fn(q, k)
+    acc = _logits_dtype(q.dtype)
+    out = out.astype(acc)
+    if bias is not None:
+        out = out + bias.astype(acc)
+    return out
+
+
+def mix_values(weights: Float[ArrayLike, "T S"], v: Float[ArrayLike, "S V"]) -> Float[ArrayLike, "T V"]:
+    """weights · v, accumulated in float32 and returned in v's dtype."""
+    acc = _logits_dtype(v.dtype)
+    # [T, V]
+    out = jnp.einsum("TS,SV->TV", weights.astype(v.dtype), v, preferred_element_type=acc)
+    return out.astype(v.dtype)
+
+
+def _check_core(q, k, v, mask, bias, scale, score_fn) -> None:
+    for name, x in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
+        _checks.check_rank(name, x, (2,), "[T, H]" if name == "q" else "[S, H]")
+        _checks.check_floating(name, x)
+    _checks.check_same_dtype(q=q, k=k, **({"v": v} if v is not None else {}))
+    if v is not None and v.shape[0] != k.shape[0]:
+        raise ValueError(
+            "k and v must have the same length S (axis 0); got "
+            f"k {_checks.shape_str(k.shape)} and v {_checks.shape_str(v.shape)}"
+        )
+    if score_fn is None:
+        _checks.check_same_last_dim("q", q, "k", k)
+        _checks.resolve_scale(scale, q.shape[-1])
+    elif scale is not None:
+        raise ValueError(
+            f"scale={scale} applies to the default scaled dot score only; with score_fn, "
+            "put the scale inside score_fn"
+        )
+    target = (q.shape[0], k.shape[0])
+    if mask is not None:
+        _checks.check_mask("mask", mask, target, "[T, S]")
+    if bias is not None:
+        _checks.check_bias("bias", bias, target, "[T, S]")
+
+
+def attention_weights(
+    q: Float[ArrayLike, "T _Hq"],
+    k: Float[ArrayLike, "S _Hk"],
+    *,
+    mask: Bool[ArrayLike, "#T #S"] | None = None,
+    bias: Float[ArrayLike, "#T #S"] | None = None,
+    scale: float | None = None,
+    score_fn: ScoreFn | None = None,
+) -> Float[ArrayLike, "T S"]:
+    """softmax(align(q, k) + bias) over the keys that `mask` lets each query see.
+
+    Args:
+      q: queries `[T, H]`.
+      k: keys `[S, H]`.
+      mask: boolean, broadcastable to `[T, S]`; True = may attend.
+      bias: float, broadcastable to `[T, S]`; added to the logits.
+      scale: logit scale of the default score; 1/√H when None.
+      score_fn: an alignment `score_fn(q, k) -> [T, S]` from `attnjax.scores`
+        (parameters bound with `functools.partial`); scaled dot product when None.
+
+    Returns:
+      `[T, S]` weights in q's dtype; each row sums to 1, or is all zero when the query
+      sees no key.
+    """
+    _check_core(q, k, None, mask, bias, scale, score_fn)
+    weights = masked_softmax(logits(q, k, bias=bias, scale=scale, score_fn=score_fn), mask)
+    return weights.astype(q.dtype)
+
+
+def attention(
+    q: Float[ArrayLike, "T _Hq"],
+    k: Float[ArrayLike, "S _Hk"],
+    v: Float[ArrayLike, "S V"],
+    *,
+    mask: Bool[ArrayLike, "#T #S"] | None = None,
+    bias: Float[ArrayLike, "#T #S"] | None = None,
+    scale: float | None = None,
+    score_fn: ScoreFn | None = None,
+) -> Float[ArrayLike, "T V"]:
+    """softmax(align(q, k)) v for one example and one head.
+
+    Args:
+      q: queries `[T, H]`.
+      k: keys `[S, H]`.
+      v: values `[S, V]`.
+      mask: boolean, broadcastable to `[T, S]`; True = may attend.
+      bias: float, broadcastable to `[T, S]`; added to the logits.
+      scale: logit scale of the default score; 1/√H when None.
+      score_fn: an alignment `score_fn(q, k) -> [T, S]`; scaled dot product when None.
+
+    Returns:
+      `[T, V]` in v's dtype; zero rows for queries that see no key.
+    """
+    _check_core(q, k, v, mask, bias, scale, score_fn)
+    weights = masked_softmax(logits(q, k, bias=bias, scale=scale, score_fn=score_fn), mask)
+    return mix_values(weights, v)

@@ -1,0 +1,193 @@
+"""Layer 4: pure multi-head attention with flax's parameter tree.
+
+    head_i = Attention(X_q W_i^Q, X_k W_i^K, X_v W_i^V),   MultiHead = Concat(head_1..h) W^O
+
+The per-head W_i are held as one kernel with a head axis, exactly as
+`flax.linen.MultiHeadDotProductAttention` holds them, so its checkpoints load unchanged:
+
+    query: {kernel [D, N, H],  bias [N, H]}     key:   {kernel [Dk, K, H], bias [K, H]}
+    value: {kernel [Dv, K, V], bias [K, V]}     out:   {kernel [N, V, F],  bias [F]}
+"""
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float
+
+from attnjax import _checks
+from attnjax.attention import dot_product_attention
+
+Params = dict[str, dict[str, Array]]
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return value
+
+
+def init_multi_head_attention(
+    rng: Array,
+    in_features: int,
+    num_heads: int,
+    *,
+    qkv_features: int | None = None,
+    out_features: int | None = None,
+    num_kv_heads: int | None = None,
+    kv_features: int | None = None,
+    use_bias: bool = True,
+    dtype=jnp.float32,
+) -> Params:
+    """Parameters for `multi_head_attention`, initialised as flax initialises its MHA.
+
+    Args:
+      rng: a `jax.random` key.
+      in_features: D, the width of inputs_q.
+      num_heads: N, the query heads.
+      qkv_features: N·H, the width of the projected queries, keys and values; defaults
+        to in_features and must be divisible by num_heads.
+      out_features: F, the output width; defaults to in_features.
+      num_kv_heads: K, the key/value heads (grouped-query attention); must divide
+        num_heads; defaults to num_heads.
+      kv_features: the width of inputs_k and inputs_v; defaults to in_features.
+      use_bias: give every projection a bias.
+      dtype: parameter dtype.
+
+    Returns:
+      `{"query", "key", "value", "out"}`, each `{"kernel", "bias"}` (LeCun-normal
+      kernels over the flattened fan-in, zero biases).
+    """
+    in_features = _positive_int("in_features", in_features)
+    num_heads = _positive_int("num_heads", num_heads)
+    qkv_features = _positive_int("qkv_features", in_features if qkv_features is None else qkv_features)
+    out_features = _positive_int("out_features", in_features if out_features is None else out_features)
+    kv_features = _positive_int("kv_features", in_features if kv_features is None else kv_features)
+    num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+    if qkv_features % num_heads:
+        raise ValueError(
+            f"qkv_features must be divisible by num_heads; got qkv_features={qkv_features}, "
+            f"num_heads={num_heads}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads must divide num_heads; got num_kv_heads={num_kv_heads}, "
+            f"num_heads={num_heads}"
+        )
+    head_dim = qkv_features // num_heads
+    shapes = {
+        "query": ((in_features,), (num_heads, head_dim)),
+        "key": ((kv_features,), (num_kv_heads, head_dim)),
+        "value": ((kv_features,), (num_kv_heads, head_dim)),
+        "out": ((num_heads, head_dim), (out_features,)),
+    }
+    init = jax.nn.initializers.lecun_normal()
+    params = {}
+    for rng_i, (name, (fan_in_shape, out_shape)) in zip(jax.random.split(rng, 4), shapes.items()):
+        # flax's DenseGeneral initialises the flattened [fan_in, fan_out] matrix.
+        flat = init(rng_i, (math.prod(fan_in_shape), math.prod(out_shape)), dtype)
+        params[name] = {"kernel": flat.reshape(fan_in_shape + out_shape)}
+        if use_bias:
+            params[name]["bias"] = jnp.zeros(out_shape, dtype)
+    return params
+
+
+def _check_params(params, inputs_q, inputs_k, inputs_v) -> None:
+    if not isinstance(params, Mapping) or not all(
+        isinstance(params.get(name), Mapping) and "kernel" in params[name]
+        for name in ("query", "key", "value", "out")
+    ):
+        got = list(params) if isinstance(params, Mapping) else type(params).__name__
+        raise ValueError(
+            "params must be {'query', 'key', 'value', 'out'}, each {'kernel'[, 'bias']} "
+            f"(see init_multi_head_attention); got {got}"
+        )
+    q_kernel = params["query"]["kernel"]
+    for name in ("query", "key", "value", "out"):
+        _checks.check_rank(f"params['{name}']['kernel']", params[name]["kernel"], (3,),
+                           "[N, V, F]" if name == "out" else "[D, heads, head_dim]")
+    n, h = q_kernel.shape[1:]
+    k = params["key"]["kernel"].shape[1]
+    v = params["value"]["kernel"].shape[2]
+    f = params["out"]["kernel"].shape[2]
+    expected = {
+        "query": ((inputs_q.shape[-1], n, h), "[D, N, H]", (n, h), "[N, H]"),
+        "key": ((inputs_k.shape[-1], k, h), "[Dk, K, H]", (k, h), "[K, H]"),
+        "value": ((inputs_v.shape[-1], k, v), "[Dv, K, V]", (k, v), "[K, V]"),
+        "out": ((n, v, f), "[N, V, F]", (f,), "[F]"),
+    }
+    for name, (kernel_shape, kernel_layout, bias_shape, bias_layout) in expected.items():
+        _checks.check_param_shape(f"params['{name}']['kernel']", params[name]["kernel"],
+                                  kernel_shape, kernel_layout)
+        if "bias" in params[name]:
+            _checks.check_param_shape(f"params['{name}']['bias']", params[name]["bias"],
+                                      bias_shape, bias_layout)
+
+
+def _check_inputs(inputs_q, inputs_k, inputs_v) -> None:
+    named = (("inputs_q", inputs_q), ("inputs_k", inputs_k), ("inputs_v", inputs_v))
+    for name, x in named:
+        _checks.check_rank(name, x, (2, 3), "[B, L, D] or [L, D]")
+        _checks.check_floating(name, x)
+        if x.ndim != inputs_q.ndim:
+            raise ValueError(
+                f"{name} must have the rank of inputs_q, {inputs_q.ndim}; got shape "
+                f"{_checks.shape_str(x.shape)}"
+            )
+    _checks.check_same_dtype(inputs_q=inputs_q, inputs_k=inputs_k, inputs_v=inputs_v)
+    if inputs_k.shape[:-1] != inputs_v.shape[:-1] or inputs_q.shape[:-2] != inputs_k.shape[:-2]:
+        raise ValueError(
+            "inputs_q [B, T, D], inputs_k [B, S, Dk] and inputs_v [B, S, Dv] must share B, "
+            f"and inputs_k and inputs_v S; got {_checks.shape_str(inputs_q.shape)}, "
+            f"{_checks.shape_str(inputs_k.shape)}, {_checks.shape_str(inputs_v.shape)}"
+        )
+
+
+def _dense(p: Mapping[str, Array], x: Array, spec: str) -> Array:
+    """x · kernel (+ bias), in x's dtype."""
+    y = jnp.einsum(spec, x, p["kernel"].astype(x.dtype))
+    if "bias" in p:
+        bias = p["bias"].astype(x.dtype)
+        y = y + bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
+    return y
+
+
+def multi_head_attention(
+    params: Params,
+    inputs_q: Float[ArrayLike, "*B T D"],
+    inputs_k: Float[ArrayLike, "*B S Dk"] | None = None,
+    inputs_v: Float[ArrayLike, "*B S Dv"] | None = None,
+    **attention_options,
+) -> Float[ArrayLike, "*B T F"] | tuple[Float[ArrayLike, "*B T F"], Float[ArrayLike, "*B N T S"]]:
+    """Multi-head attention: project per head, attend, mix the heads with W^O.
+
+    Args:
+      params: from `init_multi_head_attention`, or a flax
+        `MultiHeadDotProductAttention`'s `variables["params"]`.
+      inputs_q: `[B, T, D]` (or `[T, D]`).
+      inputs_k: `[B, S, Dk]`; defaults to inputs_q (self-attention).
+      inputs_v: `[B, S, Dv]`; defaults to inputs_k.
+      **attention_options: passed to `attnjax.dot_product_attention` (mask, bias,
+        is_causal, query_lengths, key_lengths, window, dropout_rate, dropout_rng,
+        return_weights, implementation, scale).
+
+    Returns:
+      `[B, T, F]` in inputs_q's dtype (parameters are cast to it); with
+      return_weights=True, the pair (output, weights `[B, N, T, S]`).
+    """
+    inputs_k = inputs_q if inputs_k is None else inputs_k
+    inputs_v = inputs_k if inputs_v is None else inputs_v
+    _check_inputs(inputs_q, inputs_k, inputs_v)
+    _check_params(params, inputs_q, inputs_k, inputs_v)
+    # [B, T, N, H]
+    query = _dense(params["query"], inputs_q, "...TD,DNH->...TNH")
+    # [B, S, K, H]
+    key = _dense(params["key"], inputs_k, "...SD,DKH->...SKH")
+    # [B, S, K, V]
+    value = _dense(params["value"], inputs_v, "...SD,DKV->...SKV")
+    result = dot_product_attention(query, key, value, **attention_options)
+    heads, weights = result if attention_options.get("return_weights") else (result, None)
+    # [B, T, F]
+    out = _dense(params["out"], heads, "...TNV,NVF->...TF")
+    return (out, weights) if weights is not None else out

@@ -1,0 +1,28 @@
+"""Strict numerics and runtime shape checks for the whole suite.
+
+float64 is enabled so references and gradient checks can run in double precision; every
+test therefore names its dtype, and the library must never promote silently. Rank and
+dtype promotion are strict, and jaxtyping checks every annotated argument of attnjax
+(the hook must be installed before attnjax is first imported).
+"""
+
+import zlib
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+from jaxtyping import install_import_hook  # noqa: E402
+
+with install_import_hook("attnjax", "beartype.beartype"):
+    import attnjax  # noqa: E402,F401
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def rng(request):
+    """A key per test, different for every test and stable across runs (from its id)."""
+    return jax.random.key(zlib.crc32(request.node.nodeid.encode()))

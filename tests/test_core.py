@@ -1,0 +1,152 @@
+"""Layer 1: one example, one head."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import attnjax
+
+# Distinct sizes per axis, so a swapped axis cannot pass.
+T, S, H, V = 5, 7, 3, 11
+
+
+def _qkv(rng, dtype=jnp.float32, t=T, s=S, h=H, v=V):
+    kq, kk, kv = jax.random.split(rng, 3)
+    return (
+        jax.random.normal(kq, (t, h), dtype),
+        jax.random.normal(kk, (s, h), dtype),
+        jax.random.normal(kv, (s, v), dtype),
+    )
+
+
+def test_hand_computed_case():
+    # Two keys, H = 4 so the scale is 1/2. Logits for query 0: [2, 0] -> softmax
+    # [e²/(e²+1), 1/(e²+1)]; query 1 sees only key 0 (mask) -> weight 1.
+    q = jnp.array([[2.0, 0.0, 2.0, 0.0], [1.0, 1.0, 1.0, 1.0]], jnp.float32)
+    k = jnp.array([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, -1.0]], jnp.float32)
+    v = jnp.array([[1.0, 10.0], [3.0, -2.0]], jnp.float32)
+    mask = jnp.array([[True, True], [True, False]])
+    w0 = np.exp(2.0) / (np.exp(2.0) + 1.0)
+    expected_weights = np.array([[w0, 1.0 - w0], [1.0, 0.0]])
+    expected_out = np.array(
+        [[w0 * 1.0 + (1 - w0) * 3.0, w0 * 10.0 + (1 - w0) * -2.0], [1.0, 10.0]]
+    )
+    np.testing.assert_allclose(attnjax.attention_weights(q, k, mask=mask), expected_weights, rtol=1e-6)
+    np.testing.assert_allclose(attnjax.attention(q, k, v, mask=mask), expected_out, rtol=1e-6)
+
+
+class TestCoreVariants(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_shapes_and_dtypes(self):
+        for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+            q, k, v = _qkv(jax.random.key(3), dtype)
+            out = self.variant(attnjax.attention)(q, k, v)
+            weights = self.variant(attnjax.attention_weights)(q, k)
+            chex.assert_shape(out, (T, V))
+            chex.assert_shape(weights, (T, S))
+            chex.assert_type([out, weights], dtype)
+            chex.assert_tree_all_finite((out, weights))
+
+
+def test_weight_rows_sum_to_one(rng):
+    q, k, _ = _qkv(rng)
+    mask = jax.random.bernoulli(jax.random.fold_in(rng, 1), 0.6, (T, S)).at[:, 0].set(True)
+    weights = attnjax.attention_weights(q, k, mask=mask)
+    np.testing.assert_allclose(weights.sum(-1), np.ones(T), rtol=1e-6)
+    assert jnp.all(jnp.where(mask, True, weights == 0))
+
+
+def test_permuting_keys_and_values_together_changes_nothing(rng):
+    q, k, v = _qkv(rng)
+    perm = jax.random.permutation(jax.random.fold_in(rng, 1), S)
+    np.testing.assert_allclose(
+        attnjax.attention(q, k[perm], v[perm]), attnjax.attention(q, k, v), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_permuting_queries_permutes_the_output(rng):
+    q, k, v = _qkv(rng)
+    perm = jax.random.permutation(jax.random.fold_in(rng, 1), T)
+    np.testing.assert_allclose(
+        attnjax.attention(q[perm], k, v), attnjax.attention(q, k, v)[perm], rtol=1e-5, atol=1e-6
+    )
+
+
+def _softmax_rows(x):
+    x = x - x.max(-1, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_alignment_functions_against_hand_written_numpy(rng):
+    keys = jax.random.split(rng, 6)
+    hq, hk, a = 3, 5, 13
+    q = jax.random.normal(keys[0], (T, hq), jnp.float64)
+    k = jax.random.normal(keys[1], (S, hk), jnp.float64)
+    v = jax.random.normal(keys[2], (S, V), jnp.float64)
+    w = jax.random.normal(keys[3], (hq, hk), jnp.float64)
+    w_q = jax.random.normal(keys[4], (hq, a), jnp.float64)
+    w_k = jax.random.normal(keys[5], (hk, a), jnp.float64)
+    v_a = jax.random.normal(jax.random.fold_in(rng, 9), (a,), jnp.float64)
+    qn, kn, vn = map(np.asarray, (q, k, v))
+
+    general = np.array([[qn[i] @ np.asarray(w) @ kn[j] for j in range(S)] for i in range(T)])
+    additive = np.array([
+        [np.asarray(v_a) @ np.tanh(qn[i] @ np.asarray(w_q) + kn[j] @ np.asarray(w_k))
+         for j in range(S)] for i in range(T)
+    ])
+    score = functools.partial(attnjax.general_score, w=w)
+    np.testing.assert_allclose(score(q, k), general, rtol=1e-12)
+    np.testing.assert_allclose(
+        attnjax.attention(q, k, v, score_fn=score), _softmax_rows(general) @ vn, rtol=1e-12
+    )
+    score = functools.partial(attnjax.additive_score, w_q=w_q, w_k=w_k, v=v_a)
+    np.testing.assert_allclose(score(q, k), additive, rtol=1e-12)
+    np.testing.assert_allclose(
+        attnjax.attention(q, k, v, score_fn=score), _softmax_rows(additive) @ vn, rtol=1e-12
+    )
+    k_same = jax.random.normal(keys[1], (S, hq), jnp.float64)
+    np.testing.assert_allclose(attnjax.dot_score(q, k_same), qn @ np.asarray(k_same).T, rtol=1e-12)
+    np.testing.assert_allclose(
+        attnjax.scaled_dot_score(q, k_same, scale=0.3), 0.3 * qn @ np.asarray(k_same).T, rtol=1e-12
+    )
+
+
+def test_gradients_float64_order_2(rng):
+    q, k, v = _qkv(rng, jnp.float64)
+    bias = jax.random.normal(jax.random.fold_in(rng, 1), (T, S), jnp.float64)
+    mask = jax.random.bernoulli(jax.random.fold_in(rng, 2), 0.7, (T, S)).at[:, 2].set(True)
+    fn = lambda q, k, v, bias: attnjax.attention(q, k, v, mask=mask, bias=bias)  # noqa: E731
+    check_grads(fn, (q, k, v, bias), order=2, modes=("fwd", "rev"))
+    w = jax.random.normal(jax.random.fold_in(rng, 3), (H, H), jnp.float64)
+    general = lambda q, k, v, w: attnjax.attention(  # noqa: E731
+        q, k, v, score_fn=functools.partial(attnjax.general_score, w=w))
+    check_grads(general, (q, k, v, w), order=2, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_fully_masked_row_is_exact_zero_with_zero_gradients(rng, dtype):
+    q, k, v = _qkv(rng, dtype)
+    mask = jnp.ones((T, S), bool).at[2].set(False)
+    out = attnjax.attention(q, k, v, mask=mask)
+    assert out.dtype == dtype
+    assert jnp.all(out[2] == 0)
+    assert jnp.all(attnjax.attention_weights(q, k, mask=mask)[2] == 0)
+
+    def loss(q, k, v):
+        return attnjax.attention(q, k, v, mask=mask).astype(jnp.float32).sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    chex.assert_tree_all_finite(grads)
+    assert jnp.all(grads[0][2] == 0)  # the masked query receives no gradient
+
+
+def test_scale_with_score_fn_is_rejected(rng):
+    q, k, v = _qkv(rng)
+    with pytest.raises(ValueError, match="score_fn"):
+        attnjax.attention(q, k, v, scale=0.5, score_fn=attnjax.dot_score)

@@ -1,0 +1,214 @@
+"""Layer 2: batched, multi-head dot_product_attention against references."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnjax
+from tests import reference
+
+B, T, S, N, K, H, V = 2, 5, 7, 6, 3, 4, 11
+
+
+def _qkv(rng, b=B, t=T, s=S, n=N, k=K, h=H, v=V, dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(rng, 3)
+    return (
+        jax.random.normal(kq, (b, t, n, h), dtype),
+        jax.random.normal(kk, (b, s, k, h), dtype),
+        jax.random.normal(kv, (b, s, k, v), dtype),
+    )
+
+
+def _jax_nn(query, key, value, **kw):
+    """jax.nn.dot_product_attention for any V: it needs V = H, and attention is
+    linear in the value columns, so run it on H-wide column slices (zero-padded).
+    jax.nn compares int32 lengths with int64 positions, so it runs with standard
+    dtype promotion (attnjax itself passes under the suite's strict promotion)."""
+    h, v = key.shape[-1], value.shape[-1]
+    pieces = []
+    for start in range(0, v, h):
+        part = value[..., start:start + h]
+        pad = h - part.shape[-1]
+        part = jnp.pad(part, [(0, 0)] * 3 + [(0, pad)])
+        with jax.numpy_dtype_promotion("standard"):
+            pieces.append(jax.nn.dot_product_attention(query, key, part, **kw)[..., :h - pad])
+    return jnp.concatenate(pieces, axis=-1)
+
+
+# (B, T, S, N, K, H, V): T ≠ S, H ≠ V, grouped and multi-query heads, a single query.
+# A few fixed shapes keep the compiled-primitive cache warm; the options and the random
+# data vary freely.
+SHAPES = [
+    (2, 5, 7, 6, 3, 4, 4),
+    (1, 6, 6, 4, 4, 8, 5),
+    (3, 4, 4, 6, 2, 4, 4),
+    (2, 1, 9, 2, 1, 8, 8),
+    (2, 8, 3, 3, 1, 2, 6),
+]
+
+
+@st.composite
+def cases(draw):
+    b, t, s, n, k, h, v = draw(st.sampled_from(SHAPES))
+    return dict(
+        b=b, t=t, s=s, n=n, k=k, h=h, v=v,
+        causal=t == s and draw(st.booleans()),
+        mask=draw(st.sampled_from([None, "full", "per_example", "per_head_query"])),
+        bias=draw(st.sampled_from([None, "full", "key_only"])),
+        lengths=draw(st.sampled_from([None, "query", "key", "both"])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(cases())
+def test_matches_jax_nn_float32(case):
+    b, t, s, n, k = case["b"], case["t"], case["s"], case["n"], case["k"]
+    keys = jax.random.split(jax.random.key(case["seed"]), 6)
+    q, kk, v = _qkv(keys[0], b, t, s, n, k, case["h"], case["v"])
+    mask_shape = {None: None, "full": (b, n, t, s), "per_example": (b, 1, 1, s),
+                  "per_head_query": (1, n, t, 1)}[case["mask"]]
+    mask = None if mask_shape is None else jax.random.bernoulli(keys[1], 0.7, mask_shape)
+    bias_shape = {None: None, "full": (b, n, t, s), "key_only": (1, 1, 1, s)}[case["bias"]]
+    bias = None if bias_shape is None else jax.random.normal(keys[2], bias_shape, jnp.float32)
+    q_len = k_len = None
+    if case["lengths"] in ("query", "both"):
+        q_len = jax.random.randint(keys[3], (b,), 1, t + 1, jnp.int32)
+    if case["lengths"] in ("key", "both"):
+        k_len = jax.random.randint(keys[4], (b,), 1, s + 1, jnp.int32)
+
+    ours = attnjax.dot_product_attention(
+        q, kk, v, bias, mask, is_causal=case["causal"], query_lengths=q_len, key_lengths=k_len)
+    theirs = _jax_nn(q, kk, v, bias=bias, mask=mask, is_causal=case["causal"],
+                     query_seq_lengths=q_len, key_value_seq_lengths=k_len)
+    chex.assert_shape(ours, (b, t, n, case["v"]))
+    chex.assert_type(ours, jnp.float32)
+
+    # Rows that see no key: attnjax gives zeros, jax.nn averages all values. Compare
+    # only the rows that see at least one key, and check the others are exact zeros.
+    seen = np.ones((b, n, t, s), bool)
+    if mask is not None:
+        seen &= np.broadcast_to(np.asarray(mask), seen.shape)
+    for e in range(b):
+        seen[e] &= reference.visible(
+            t, s, is_causal=case["causal"],
+            query_length=None if q_len is None else int(q_len[e]),
+            key_length=None if k_len is None else int(k_len[e]))
+    # [B, T, N]
+    row_sees = seen.any(-1).transpose(0, 2, 1)
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    np.testing.assert_allclose(ours[row_sees], theirs[row_sees], rtol=1e-5, atol=1e-6)
+    assert np.all(ours[~row_sees] == 0)
+
+
+@pytest.mark.parametrize(
+    "t, s, causal, window",
+    [(5, 5, True, None), (3, 8, True, None), (1, 9, True, None), (4, 9, False, (2, 1)),
+     (6, 6, True, (3, 0)), (7, 4, False, 1), (2, 7, True, (0, 0))],
+)
+def test_matches_float64_reference_causal_and_windows(rng, t, s, causal, window):
+    keys = jax.random.split(rng, 4)
+    q, k, v = _qkv(keys[0], t=t, s=s, dtype=jnp.float64)
+    bias = jax.random.normal(keys[1], (B, N, t, s), jnp.float64)
+    q_len = jnp.array([t, max(1, t - 2)], jnp.int32)
+    k_len = jnp.array([max(1, s - 1), s], jnp.int32)
+    w = (window, window) if isinstance(window, int) else window
+    ours = attnjax.dot_product_attention(
+        q, k, v, bias, is_causal=causal, window=window, query_lengths=q_len, key_lengths=k_len)
+    expected = reference.attention(
+        q, k, v, bias=bias, is_causal=causal, window=w, query_lengths=q_len, key_lengths=k_len)
+    np.testing.assert_allclose(ours, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_causal_with_fewer_queries_sees_the_whole_prefix(rng):
+    """Bottom-right alignment: the last query sees every key, the first sees S − T + 1."""
+    q, k, v = _qkv(rng, t=3, s=8)
+    _, weights = attnjax.dot_product_attention(q, k, v, is_causal=True, return_weights=True)
+    visible = np.asarray(weights[0, 0] > 0)
+    np.testing.assert_array_equal(visible.sum(-1), [6, 7, 8])
+    np.testing.assert_array_equal(visible, np.asarray(attnjax.causal_mask(3, 8)))
+
+
+def test_unbatched_equals_batched(rng):
+    q, k, v = _qkv(rng)
+    mask = jax.random.bernoulli(jax.random.fold_in(rng, 1), 0.8, (N, T, S))
+    batched = attnjax.dot_product_attention(
+        q, k, v, mask=mask[None], key_lengths=jnp.array([4, 6], jnp.int32))
+    for e, k_len in enumerate((4, 6)):
+        single = attnjax.dot_product_attention(
+            q[e], k[e], v[e], mask=mask, key_lengths=jnp.array(k_len, jnp.int32))
+        np.testing.assert_allclose(single, batched[e], rtol=1e-6)
+
+
+def test_each_head_is_the_core_attention(rng):
+    """The batched form is the core applied per (example, query head) with its kv head."""
+    q, k, v = _qkv(rng)
+    bias = jax.random.normal(jax.random.fold_in(rng, 1), (B, N, T, S), jnp.float32)
+    out, weights = attnjax.dot_product_attention(q, k, v, bias, return_weights=True)
+    g = N // K
+    for e in range(B):
+        for head in range(N):
+            args = (q[e, :, head], k[e, :, head // g])
+            np.testing.assert_allclose(
+                out[e, :, head], attnjax.attention(*args, v[e, :, head // g], bias=bias[e, head]),
+                rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                weights[e, head], attnjax.attention_weights(*args, bias=bias[e, head]),
+                rtol=1e-5, atol=1e-6)
+
+
+class TestVariants(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_shapes_dtypes_and_weights(self):
+        for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+            q, k, v = _qkv(jax.random.key(7), dtype=dtype)
+            fn = self.variant(lambda q, k, v: attnjax.dot_product_attention(
+                q, k, v, is_causal=True, window=(3, 1), return_weights=True))
+            out, weights = fn(q, k, v)
+            chex.assert_shape(out, (B, T, N, V))
+            chex.assert_shape(weights, (B, N, T, S))
+            chex.assert_type([out, weights], dtype)
+            chex.assert_tree_all_finite(out)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_mask_helpers(self):
+        lengths = jnp.array([2, 5], jnp.int32)
+        chex.assert_shape(self.variant(attnjax.causal_mask, static_argnums=(0, 1))(3, 5), (3, 5))
+        chex.assert_type(self.variant(attnjax.padding_mask, static_argnums=1)(lengths, 6), bool)
+        qk = self.variant(attnjax.query_key_mask, static_argnums=(2, 3))(lengths, lengths, 4, 6)
+        chex.assert_shape(qk, (2, 1, 4, 6))
+
+
+def test_mask_helpers_values():
+    lengths = jnp.array([2, 4], jnp.int32)
+    np.testing.assert_array_equal(
+        attnjax.padding_mask(lengths, 5), [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])
+    np.testing.assert_array_equal(attnjax.causal_mask(4), np.tril(np.ones((4, 4), bool)))
+    np.testing.assert_array_equal(
+        attnjax.sliding_window_mask(4, 6, (1, 0)), reference.visible(4, 6, window=(1, 0)))
+    qk = attnjax.query_key_mask(lengths, jnp.array([3, 1], jnp.int32), 4, 5)
+    expected = np.zeros((2, 1, 4, 5), bool)
+    expected[0, 0, :2, :3] = True
+    expected[1, 0, :4, :1] = True
+    np.testing.assert_array_equal(qk, expected)
+    combined = attnjax.combine_masks(attnjax.causal_mask(4, 5), None, qk)
+    np.testing.assert_array_equal(combined, expected & np.tril(np.ones((4, 5), bool), 1))
+    assert attnjax.combine_masks(None, None) is None
+    # The helpers agree with the options that build the same mask.
+    q, k, v = _qkv(jax.random.key(1), t=4, s=5)
+    by_mask = attnjax.dot_product_attention(q, k, v, mask=combined)
+    by_options = attnjax.dot_product_attention(
+        q, k, v, is_causal=True, query_lengths=lengths, key_lengths=jnp.array([3, 1], jnp.int32))
+    np.testing.assert_allclose(by_mask, by_options, rtol=1e-6)
+
+
+def test_jit_compatible_with_traced_lengths(rng):
+    q, k, v = _qkv(rng)
+    fn = jax.jit(lambda q, k, v, kl: attnjax.dot_product_attention(q, k, v, key_lengths=kl))
+    k_len = jnp.array([3, 7], jnp.int32)
+    np.testing.assert_allclose(
+        fn(q, k, v, k_len), attnjax.dot_product_attention(q, k, v, key_lengths=k_len), rtol=1e-6)

@@ -144,7 +144,7 @@ def _check_inputs(inputs_q, inputs_k, inputs_v) -> None:
         )
 
 
-def _dense(p: Mapping[str, Array], x: Array, spec: str) -> Array:
+def _dense(p: Mapping[str, ArrayLike], x: ArrayLike, spec: str) -> Array:
     """x · kernel (+ bias), in x's dtype."""
     y = jnp.einsum(spec, x, p["kernel"].astype(x.dtype))
     if "bias" in p:
@@ -154,7 +154,7 @@ def _dense(p: Mapping[str, Array], x: Array, spec: str) -> Array:
 
 
 def multi_head_attention(
-    params: Params,
+    params: Mapping[str, Mapping[str, ArrayLike]],
     inputs_q: Float[ArrayLike, "*B T D"],
     inputs_k: Float[ArrayLike, "*B S Dk"] | None = None,
     inputs_v: Float[ArrayLike, "*B S Dv"] | None = None,

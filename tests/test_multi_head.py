@@ -1,0 +1,111 @@
+"""Layer 4: pure multi-head attention, flax's parameter tree."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.test_util import check_grads
+
+import attnjax
+
+B, T, S, D, DK, N, F = 2, 5, 7, 12, 10, 4, 9
+
+
+def _inputs(rng, dtype=jnp.float32):
+    kq, kk = jax.random.split(rng)
+    return jax.random.normal(kq, (B, T, D), dtype), jax.random.normal(kk, (B, S, DK), dtype)
+
+
+def _random_params(rng, **kw):
+    """Non-zero biases too, so a dropped bias cannot pass."""
+    params = attnjax.init_multi_head_attention(rng, D, N, **kw)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.fold_in(rng, 1), len(leaves))
+    return jax.tree.unflatten(tree, [
+        x + 0.1 * jax.random.normal(key, x.shape, x.dtype) for x, key in zip(leaves, keys)])
+
+
+def test_param_tree_equals_flax(rng):
+    x, y = _inputs(rng)
+    flax_params = nn.MultiHeadDotProductAttention(
+        num_heads=N, qkv_features=24, out_features=F).init(rng, x, y)["params"]
+    ours = attnjax.init_multi_head_attention(
+        rng, D, N, qkv_features=24, out_features=F, kv_features=DK)
+    assert jax.tree.structure(ours) == jax.tree.structure(flax_params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(ours, flax_params)
+
+
+def test_flax_params_give_flax_output(rng):
+    x, y = _inputs(rng)
+    module = nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=16, out_features=F)
+    mask = jax.random.bernoulli(jax.random.fold_in(rng, 2), 0.7, (B, 1, T, S)).at[..., 0].set(True)
+    params = module.init(rng, x, y)["params"]
+    params = jax.tree.map(lambda p: p + 0.1, params)  # non-zero biases
+    with jax.numpy_dtype_promotion("standard"):
+        expected = module.apply({"params": params}, x, y, mask=mask)
+    np.testing.assert_allclose(
+        attnjax.multi_head_attention(params, x, y, mask=mask), expected, rtol=1e-5, atol=1e-6)
+    self_params = jax.tree.map(lambda p: p - 0.05, module.init(rng, x)["params"])
+    with jax.numpy_dtype_promotion("standard"):
+        expected_self = module.apply({"params": self_params}, x)
+    np.testing.assert_allclose(
+        attnjax.multi_head_attention(self_params, x), expected_self, rtol=1e-5, atol=1e-6)
+
+
+def test_naive_loop_over_heads_equals_fused(rng):
+    """Concat(head_1..h) W^O with head_i = Attention(X W_i^Q, X W_i^K, X W_i^V)."""
+    x, y = _inputs(rng)
+    params = _random_params(rng, kv_features=DK, out_features=F, qkv_features=20)
+    fused = attnjax.multi_head_attention(params, x, y, is_causal=False)
+    p = jax.tree.map(np.asarray, params)
+    x, y = np.asarray(x), np.asarray(y)
+    for e in range(B):
+        heads = []
+        for i in range(N):
+            q_i = x[e] @ p["query"]["kernel"][:, i, :] + p["query"]["bias"][i]
+            k_i = y[e] @ p["key"]["kernel"][:, i, :] + p["key"]["bias"][i]
+            v_i = y[e] @ p["value"]["kernel"][:, i, :] + p["value"]["bias"][i]
+            heads.append(np.asarray(attnjax.attention(q_i, k_i, v_i)))
+        w_o = p["out"]["kernel"].reshape(-1, F)  # [N·V, F]
+        naive = np.concatenate(heads, axis=-1) @ w_o + p["out"]["bias"]
+        np.testing.assert_allclose(fused[e], naive, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_query_heads_share_key_value_projections(rng):
+    x, y = _inputs(rng)
+    params = _random_params(rng, num_kv_heads=2, kv_features=DK)
+    chex.assert_shape(params["key"]["kernel"], (DK, 2, D // N))
+    out = attnjax.multi_head_attention(params, x, y)
+    # The same model with key/value heads repeated to N heads (head i uses kv head i // 2).
+    full = jax.tree.map(lambda a: a, params)
+    for name in ("key", "value"):
+        full[name] = {
+            "kernel": jnp.repeat(params[name]["kernel"], 2, axis=1),
+            "bias": jnp.repeat(params[name]["bias"], 2, axis=0),
+        }
+    np.testing.assert_allclose(out, attnjax.multi_head_attention(full, x, y), rtol=1e-5, atol=1e-6)
+
+
+class TestVariants(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_shapes_and_dtypes(self):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            x, y = _inputs(jax.random.key(2), dtype)
+            params = attnjax.init_multi_head_attention(
+                jax.random.key(0), D, N, kv_features=DK, out_features=F)
+            out, weights = self.variant(lambda p, x, y: attnjax.multi_head_attention(
+                p, x, y, return_weights=True))(params, x, y)
+            chex.assert_shape(out, (B, T, F))
+            chex.assert_shape(weights, (B, N, T, S))
+            chex.assert_type([out, weights], dtype)
+            unbatched = self.variant(attnjax.multi_head_attention)(params, x[0], y[0])
+            chex.assert_shape(unbatched, (T, F))
+
+
+def test_gradients_float64_order_2(rng):
+    x, y = _inputs(rng, jnp.float64)
+    x, y = x[:, :3], y[:, :4]
+    params = _random_params(rng, kv_features=DK, num_kv_heads=2, dtype=jnp.float64)
+    fn = lambda p, x, y: attnjax.multi_head_attention(p, x, y, key_lengths=jnp.array([4, 2]))  # noqa: E731
+    check_grads(fn, (params, x, y), order=2, modes=("rev",))

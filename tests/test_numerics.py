@@ -1,0 +1,73 @@
+"""No NaN anywhere: empty rows, padded queries, half precision, huge logits."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnjax
+
+B, T, S, N, H, V = 2, 5, 7, 3, 4, 6
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _qkv(rng, dtype, scale=1.0):
+    kq, kk, kv = jax.random.split(rng, 3)
+    return (
+        (scale * jax.random.normal(kq, (B, T, N, H), jnp.float32)).astype(dtype),
+        (scale * jax.random.normal(kk, (B, S, N, H), jnp.float32)).astype(dtype),
+        jax.random.normal(kv, (B, S, N, V), jnp.float32).astype(dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_and_padded_rows_are_zero_with_zero_finite_gradients(rng, dtype):
+    q, k, v = _qkv(rng, dtype)
+    # Row 1 of example 0 sees no key (mask); rows ≥ 3 of example 1 are padding.
+    mask = jnp.ones((B, 1, T, S), bool).at[0, 0, 1].set(False)
+    q_len = jnp.array([T, 3], jnp.int32)
+
+    def run(q, k, v):
+        return attnjax.dot_product_attention(q, k, v, mask=mask, query_lengths=q_len)
+
+    out = run(q, k, v)
+    chex.assert_type(out, dtype)
+    assert jnp.all(out[0, 1] == 0)
+    assert jnp.all(out[1, 3:] == 0)
+    assert jnp.all(out[0, 0] != 0)
+
+    def loss(q, k, v):
+        return jnp.sum(run(q, k, v).astype(jnp.float32) ** 2)
+
+    gq, gk, gv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    chex.assert_tree_all_finite((gq, gk, gv))
+    assert jnp.all(gq[0, 1] == 0)
+    assert jnp.all(gq[1, 3:] == 0)
+    assert jnp.any(gq[0, 0] != 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_keys_masked_everywhere_gives_zeros_not_nan(rng, dtype):
+    q, k, v = _qkv(rng, dtype)
+    mask = jnp.zeros((1, 1, 1, S), bool)
+    out, weights = attnjax.dot_product_attention(q, k, v, mask=mask, return_weights=True)
+    assert jnp.all(out == 0) and jnp.all(weights == 0)
+    grads = jax.grad(lambda q: attnjax.dot_product_attention(
+        q, k, v, mask=mask).astype(jnp.float32).sum())(q)
+    assert jnp.all(grads == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_logits_of_magnitude_1e4_stay_finite_and_close_to_float32(rng, dtype):
+    # Entries near 70 with H = 4 and scale 1/2 give logits of order 1e4, past float16's
+    # range once squared but fine when accumulated in float32.
+    q, k, v = _qkv(rng, dtype, scale=70.0)
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    logits = jnp.einsum("btnh,bsnh->bnts", q32, k32) / 2.0
+    assert float(jnp.max(jnp.abs(logits))) > 1e4
+    out = attnjax.dot_product_attention(q, k, v, is_causal=True)
+    chex.assert_type(out, dtype)
+    chex.assert_tree_all_finite(out)
+    expected = attnjax.dot_product_attention(q32, k32, v32, is_causal=True)
+    np.testing.assert_allclose(out.astype(jnp.float32), expected, rtol=1e-2, atol=1e-2)

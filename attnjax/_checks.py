@@ -130,3 +130,15 @@ def check_dropout(rate, rng) -> float:
     if rate > 0.0 and rng is None:
         raise ValueError(f"dropout_rate={rate} needs a dropout_rng (a jax.random key); got None")
     return float(rate)
+
+
+def resolve_block_sizes(block_sizes) -> tuple[int, int]:
+    ok = (
+        isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2
+        and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0
+                for b in block_sizes)
+    )
+    if not ok:
+        raise ValueError(f"block_sizes must be a pair of positive ints (block_q, block_k); "
+                         f"got {block_sizes!r}")
+    return int(block_sizes[0]), int(block_sizes[1])

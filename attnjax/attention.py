@@ -12,19 +12,27 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnjax import _checks, cudnn
+from attnjax.chunked import chunked_attention
 from attnjax.dense import dense_attention
 
 # name -> (single-head function, can it return weights?)
-_VMAPPED = {"dense": (dense_attention, True)}
-IMPLEMENTATIONS = ("dense", "cudnn")
+_VMAPPED = {"dense": (dense_attention, True), "chunked": (chunked_attention, False)}
+IMPLEMENTATIONS = ("dense", "chunked", "cudnn")
+
+# implementation=None runs dense while T·S is at most this, chunked above it. Measured
+# with benchmarks/attention.py on a 2-core CPU: below it the dense weights fit in cache
+# and the blocked loop only adds overhead.
+AUTO_CHUNKED_ABOVE = 512 * 512
 
 
-def _select_implementation(implementation, return_weights: bool) -> str:
+def _select_implementation(implementation, return_weights: bool, t: int, s: int) -> str:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}"
         )
-    name = "dense" if implementation is None else implementation
+    name = implementation
+    if name is None:
+        name = "dense" if return_weights or t * s <= AUTO_CHUNKED_ABOVE else "chunked"
     if return_weights and not _VMAPPED.get(name, (None, False))[1]:
         raise ValueError(
             f"return_weights=True needs implementation='dense' (the only one that "
@@ -56,24 +64,38 @@ def _axes(flag: bool | None):
     return 0 if flag else None
 
 
-def _vmapped(fn, bias_axes, mask_axes, has_lengths, has_keys):
-    """vmap a single-head `fn(q, k, v, bias, mask, q_len, k_len, key)` over G, K and B."""
+def _map_axis(fn, size: int, in_axes: tuple, out_axes: tuple):
+    """`jax.vmap(fn, in_axes, out_axes)` over an axis of `size`; a unit axis is indexed
+    away and re-inserted instead, which keeps unit dims out of every intermediate (XLA
+    otherwise copies whole blocks of logits to move them)."""
+    if size > 1:
+        return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)
+
+    def squeezed(*args):
+        args = [x if axis is None or x is None else jnp.take(x, 0, axis=axis)
+                for x, axis in zip(args, in_axes)]
+        outs = fn(*args)
+        return tuple(None if x is None else jnp.expand_dims(x, axis)
+                     for x, axis in zip(outs, out_axes))
+
+    return squeezed
+
+
+def _vmapped(fn, sizes, bias_axes, mask_axes, has_lengths, has_keys):
+    """Map a single-head `fn(q, k, v, bias, mask, q_len, k_len, key)` over G, K and B."""
     def level(index, q_axis, kv_axis, length_axis):
         # out [T, ..., V] keeps T first; weights [..., T, S] stack heads in front.
-        return lambda f: jax.vmap(
-            f,
-            in_axes=(
-                q_axis,
-                kv_axis,
-                kv_axis,
-                _axes(bias_axes and bias_axes[index]),
-                _axes(mask_axes and mask_axes[index]),
-                length_axis[0],
-                length_axis[1],
-                _axes(has_keys),
-            ),
-            out_axes=(q_axis, 0),
+        in_axes = (
+            q_axis,
+            kv_axis,
+            kv_axis,
+            _axes(bias_axes and bias_axes[index]),
+            _axes(mask_axes and mask_axes[index]),
+            length_axis[0],
+            length_axis[1],
+            _axes(has_keys),
         )
+        return lambda f: _map_axis(f, sizes[index], in_axes, (q_axis, 0))
 
     fn = level(2, 1, None, (None, None))(fn)  # G: q [T, G, H]; k, v shared
     fn = level(1, 1, 1, (None, None))(fn)  # K: q [T, K, G, H]; k [S, K, H]
@@ -97,6 +119,7 @@ def dot_product_attention(
     dropout_rng: Array | None = None,
     return_weights: bool = False,
     implementation: str | None = None,
+    block_sizes: tuple[int, int] | None = None,
 ) -> Float[ArrayLike, "*B T N V"] | tuple[Float[ArrayLike, "*B T N V"], Float[ArrayLike, "*B N T S"]]:
     """Scaled dot-product attention over a batch and several heads.
 
@@ -129,9 +152,13 @@ def dot_product_attention(
       dropout_rng: a `jax.random` key; required when dropout_rate > 0.
       return_weights: also return the `[B, N, T, S]` weights (before dropout); only
         the dense implementation can.
-      implementation: "dense" (materialises the weights) or "cudnn" (delegates to
-        `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only); None picks
-        per shape and platform.
+      implementation: "dense" (materialises the `[T, S]` weights of each head),
+        "chunked" (online softmax over key blocks: O(T + S) memory forward and
+        backward, fully masked blocks skipped) or "cudnn" (delegates to
+        `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only). None picks
+        dense for T·S ≤ 512², or when weights are asked for, and chunked above.
+      block_sizes: `(block_q, block_k)` for the chunked implementation; chosen per
+        shape when None. Lengths need not be multiples of them.
 
     Returns:
       `[B, T, N, V]` (or `[T, N, V]`) in the input dtype; with return_weights, the pair
@@ -180,7 +207,15 @@ def dot_product_attention(
     window = _checks.resolve_window(window)
     dropout_rate = _checks.check_dropout(dropout_rate, dropout_rng)
     scale = _checks.resolve_scale(scale, h)
-    name = _select_implementation(implementation, return_weights)
+    name = _select_implementation(implementation, return_weights, t, s)
+    options = {}
+    if block_sizes is not None:
+        options = dict(zip(("block_q", "block_k"), _checks.resolve_block_sizes(block_sizes)))
+        if name != "chunked":
+            raise ValueError(
+                f"block_sizes={block_sizes} applies to implementation='chunked'; "
+                f"got implementation={implementation!r}, which runs {name!r}"
+            )
 
     if name == "cudnn":
         out = cudnn.attention(
@@ -191,7 +226,7 @@ def dot_product_attention(
         weights = None
     else:
         out, weights = _run_vmapped(
-            _VMAPPED[name][0], query, key, value, bias, mask, lengths,
+            functools.partial(_VMAPPED[name][0], **options), query, key, value, bias, mask, lengths,
             is_causal=is_causal, window=window, scale=scale, dropout_rate=dropout_rate,
             dropout_rng=dropout_rng, return_weights=return_weights,
         )
@@ -246,7 +281,7 @@ def _run_vmapped(
         _single_head, fn, is_causal=is_causal, window=window, scale=scale,
         dropout_rate=dropout_rate, return_weights=return_weights,
     )
-    run = _vmapped(single, bias_axes, mask_axes,
+    run = _vmapped(single, (b, k, g), bias_axes, mask_axes,
                    tuple(x is not None for x in lengths), keys is not None)
     # [B, T, K, G, H]
     grouped_query = query.reshape(b, t, k, g, h)

@@ -69,6 +69,42 @@ class _Plan:
             hi = jnp.where(i * self.block_q < query_length, hi, lo)
         return jnp.clip(lo, 0, self.num_k_blocks), jnp.clip(hi, 0, self.num_k_blocks)
 
+    def unmasked_key_blocks(self, i, query_length, key_length):
+        """[lo, hi): key blocks every query of block i sees whole (no mask needed)."""
+        offset = self.s - self.t
+        first = i * self.block_q + offset
+        last = first + self.block_q - 1
+        lo, hi = jnp.int32(0), jnp.int32(self.s // self.block_k)
+        if self.is_causal:
+            hi = jnp.minimum(hi, (first + 1) // self.block_k)
+        if self.window is not None:
+            left, right = self.window
+            lo = jnp.maximum(lo, -((left - last) // self.block_k))
+            hi = jnp.minimum(hi, (first + right + 1) // self.block_k)
+        if key_length is not None:
+            hi = jnp.minimum(hi, key_length // self.block_k)
+        if query_length is not None:
+            hi = jnp.where((i + 1) * self.block_q <= query_length, hi, lo)
+        return lo, jnp.maximum(lo, hi)
+
+    def unmasked_query_blocks(self, j, query_length, key_length):
+        """[lo, hi): query blocks whose every query sees all of key block j."""
+        offset = self.s - self.t
+        first = j * self.block_k
+        last = first + self.block_k - 1
+        lo, hi = jnp.int32(0), jnp.int32(self.num_q_blocks)
+        if self.is_causal:
+            lo = jnp.maximum(lo, -((offset - last) // self.block_q))
+        if self.window is not None:
+            left, right = self.window
+            lo = jnp.maximum(lo, -((right + offset - last) // self.block_q))
+            hi = jnp.minimum(hi, (first + left - offset + 1) // self.block_q)
+        if query_length is not None:
+            hi = jnp.minimum(hi, query_length // self.block_q)
+        limit = self.s if key_length is None else jnp.minimum(key_length, self.s)
+        hi = jnp.where(last < limit, hi, lo)
+        return lo, jnp.maximum(lo, hi)
+
     def query_blocks(self, j, query_length, key_length):
         """[lo, hi): the query blocks that can see anything in key block j."""
         offset = self.s - self.t
@@ -113,8 +149,9 @@ class _Blocks:
         self.query_length, self.key_length = query_length, key_length
         self.dropout_key = dropout_key
 
-    def logits(self, q_block, k_block, i, j):
-        """Visible logits of block (i, j), −inf elsewhere; float32 `[bq, bk]`, and its mask."""
+    def logits(self, q_block, k_block, i, j, masked: bool = True):
+        """Logits of block (i, j) in float32 `[bq, bk]`, −inf where not visible. With
+        masked=False the caller knows every pair of the block is visible."""
         p = self.plan
         # [bq, bk]
         s = jnp.einsum("TH,SH->TS", q_block, k_block,
@@ -123,6 +160,8 @@ class _Blocks:
         if self.bias is not None:
             bias = _block(_block(self.bias, q_start, p.block_q, 0), k_start, p.block_k, 1)
             s = s + bias.astype(s.dtype)
+        if not masked:
+            return s
         q_pos = q_start + lax.broadcasted_iota(jnp.int32, (p.block_q, 1), 0)
         k_pos = k_start + lax.broadcasted_iota(jnp.int32, (1, p.block_k), 1)
         visible = masks.visible(
@@ -138,12 +177,37 @@ class _Blocks:
             s = jnp.where(visible, s, -jnp.inf)
         return s
 
+    def unmasked_key_blocks(self, i):
+        """Key blocks query block i sees whole; none when a user mask may hide pairs."""
+        if self.mask is not None:
+            return jnp.int32(0), jnp.int32(0)
+        return self.plan.unmasked_key_blocks(i, self.query_length, self.key_length)
+
+    def unmasked_query_blocks(self, j):
+        """Query blocks that see key block j whole; none under a user mask."""
+        if self.mask is not None:
+            return jnp.int32(0), jnp.int32(0)
+        return self.plan.unmasked_query_blocks(j, self.query_length, self.key_length)
+
     def keep_scale(self, i, j):
         """Inverted-dropout multipliers of block (i, j): 0 or 1/(1 − rate), float32."""
         p = self.plan
         key = jax.random.fold_in(self.dropout_key, i * p.num_k_blocks + j)
         keep = jax.random.bernoulli(key, 1.0 - p.dropout_rate, (p.block_q, p.block_k))
         return jnp.where(keep, 1.0 / (1.0 - p.dropout_rate), 0.0).astype(jnp.float32)
+
+
+def _loop(lo, hi, unmasked, step, init):
+    """`step(j, carry, masked)` for j in [lo, hi), unmasked inside the `unmasked` range.
+
+    Blocks that every pair sees whole skip building and applying the mask, which is
+    most of them for causal and windowed attention.
+    """
+    inner_lo = jnp.clip(unmasked[0], lo, hi)
+    inner_hi = jnp.clip(unmasked[1], inner_lo, hi)
+    carry = lax.fori_loop(lo, inner_lo, functools.partial(step, masked=True), init)
+    carry = lax.fori_loop(inner_lo, inner_hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(inner_hi, hi, functools.partial(step, masked=True), carry)
 
 
 def _forward(plan, q, k, v, blocks):
@@ -154,12 +218,12 @@ def _forward(plan, q, k, v, blocks):
         q_i = lax.dynamic_slice_in_dim(q, i * plan.block_q, plan.block_q)
         lo, hi = plan.key_blocks(i, blocks.query_length, blocks.key_length)
 
-        def step(j, carry):
+        def step(j, carry, masked):
             row_max, row_sum, acc = carry
             k_j = lax.dynamic_slice_in_dim(k, j * plan.block_k, plan.block_k)
             v_j = lax.dynamic_slice_in_dim(v, j * plan.block_k, plan.block_k)
             # [bq, bk]
-            s = blocks.logits(q_i, k_j, i, j)
+            s = blocks.logits(q_i, k_j, i, j, masked)
             new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))
             # Rows with nothing visible yet keep max −inf: shift by 0 so exp gives 0.
             shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -178,7 +242,7 @@ def _forward(plan, q, k, v, blocks):
             jnp.zeros((plan.block_q,), acc_dtype),
             jnp.zeros((plan.block_q, v.shape[-1]), acc_dtype),
         )
-        row_max, row_sum, acc = lax.fori_loop(lo, hi, step, init)
+        row_max, row_sum, acc = _loop(lo, hi, blocks.unmasked_key_blocks(i), step, init)
         seen = row_sum > 0
         out = acc / jnp.where(seen, row_sum, 1.0)[:, None]
         lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
@@ -202,13 +266,13 @@ def _backward(plan, q, k, v, blocks, out, lse, d_out):
         v_j = lax.dynamic_slice_in_dim(v, j * plan.block_k, plan.block_k)
         lo, hi = plan.query_blocks(j, blocks.query_length, blocks.key_length)
 
-        def step(i, inner):
+        def step(i, inner, masked):
             d_q, d_bias, d_k, d_v = inner
             rows = i * plan.block_q
             q_i = lax.dynamic_slice_in_dim(q, rows, plan.block_q)
             do_i = lax.dynamic_slice_in_dim(d_out, rows, plan.block_q)
             # [bq, bk]: the forward weights, exactly, from the saved log-sum-exp.
-            p = jnp.exp(blocks.logits(q_i, k_j, i, j)
+            p = jnp.exp(blocks.logits(q_i, k_j, i, j, masked)
                         - lax.dynamic_slice_in_dim(lse, rows, plan.block_q)[:, None])
             dp = jnp.einsum("TV,SV->TS", do_i, v_j, preferred_element_type=acc_dtype)
             p_used = p
@@ -230,7 +294,7 @@ def _backward(plan, q, k, v, blocks, out, lse, d_out):
 
         d_q, d_bias = carry
         init = (d_q, d_bias, jnp.zeros(k_j.shape, acc_dtype), jnp.zeros(v_j.shape, acc_dtype))
-        d_q, d_bias, d_k, d_v = lax.fori_loop(lo, hi, step, init)
+        d_q, d_bias, d_k, d_v = _loop(lo, hi, blocks.unmasked_query_blocks(j), step, init)
         return (d_q, d_bias), (d_k, d_v)
 
     init = (jnp.zeros(q.shape, acc_dtype),
@@ -243,9 +307,9 @@ def _backward(plan, q, k, v, blocks, out, lse, d_out):
 def _add_block(total, block, row, col):
     """total[row:, col:] += block, summing the block over total's unit (broadcast) axes."""
     if total.shape[0] == 1:
-        block, row = jnp.sum(block, axis=0, keepdims=True), 0
+        block, row = jnp.sum(block, axis=0, keepdims=True), jnp.int32(0)
     if total.shape[1] == 1:
-        block, col = jnp.sum(block, axis=1, keepdims=True), 0
+        block, col = jnp.sum(block, axis=1, keepdims=True), jnp.int32(0)
     current = lax.dynamic_slice(total, (row, col), block.shape)
     return lax.dynamic_update_slice(total, current + block, (row, col))
 

@@ -5,11 +5,13 @@ Layers, each built on the ones before it:
   scores       alignment functions (scaled dot, dot, general, additive)
   masks        boolean mask helpers (True = may attend)
   dense        the single-head implementation that materialises the weights
+  chunked      the single-head online-softmax implementation, O(T + S) memory
+  cudnn        delegation to jax.nn's cuDNN kernel on a GPU
   attention    dot_product_attention on [B, T, N, H], vmapped over heads and batch
   multi_head   init_multi_head_attention / multi_head_attention (flax's parameter tree)
 """
 
-from attnjax.attention import IMPLEMENTATIONS, dot_product_attention
+from attnjax.attention import IMPLEMENTATIONS, dot_product_attention, score_attention
 from attnjax.core import attention, attention_weights, masked_softmax
 from attnjax.masks import (
     causal_mask,
@@ -39,5 +41,6 @@ __all__ = [
     "padding_mask",
     "query_key_mask",
     "scaled_dot_score",
+    "score_attention",
     "sliding_window_mask",
 ]

@@ -72,7 +72,7 @@ def _map_axis(fn, size: int, in_axes: tuple, out_axes: tuple):
         return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)
 
     def squeezed(*args):
-        args = [x if axis is None or x is None else jnp.take(x, 0, axis=axis)
+        args = [x if axis is None else jax.tree.map(lambda a: jnp.take(a, 0, axis=axis), x)
                 for x, axis in zip(args, in_axes)]
         outs = fn(*args)
         return tuple(None if x is None else jnp.expand_dims(x, axis)
@@ -81,8 +81,9 @@ def _map_axis(fn, size: int, in_axes: tuple, out_axes: tuple):
     return squeezed
 
 
-def _vmapped(fn, sizes, bias_axes, mask_axes, has_lengths, has_keys):
-    """Map a single-head `fn(q, k, v, bias, mask, q_len, k_len, key)` over G, K and B."""
+def _vmapped(fn, sizes, bias_axes, mask_axes, has_lengths, has_keys, has_score_params):
+    """Map a single-head `fn(q, k, v, bias, mask, q_len, k_len, key, score_params)` over
+    G, K and B."""
     def level(index, q_axis, kv_axis, length_axis):
         # out [T, ..., V] keeps T first; weights [..., T, S] stack heads in front.
         in_axes = (
@@ -94,6 +95,7 @@ def _vmapped(fn, sizes, bias_axes, mask_axes, has_lengths, has_keys):
             length_axis[0],
             length_axis[1],
             _axes(has_keys),
+            _axes(has_score_params and index > 0),  # per head, shared by the batch
         )
         return lambda f: _map_axis(f, sizes[index], in_axes, (q_axis, 0))
 
@@ -117,6 +119,7 @@ def dot_product_attention(
     window: int | tuple[int, int] | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
+    dropout_broadcast: bool = False,
     return_weights: bool = False,
     implementation: str | None = None,
     block_sizes: tuple[int, int] | None = None,
@@ -150,6 +153,8 @@ def dot_product_attention(
       dropout_rate: inverted dropout on the attention weights, in [0, 1); independent
         per example and head.
       dropout_rng: a `jax.random` key; required when dropout_rate > 0.
+      dropout_broadcast: share one dropout mask across the batch and the heads
+        (flax's `broadcast_dropout=True`) instead of drawing one per example and head.
       return_weights: also return the `[B, N, T, S]` weights (before dropout); only
         the dense implementation can.
       implementation: "dense" (materialises the `[T, S]` weights of each head),
@@ -166,6 +171,74 @@ def dot_product_attention(
       gradients, in every dtype. Softmax and accumulation run in float32 for
       float16/bfloat16 inputs.
     """
+    return _attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_lengths=query_lengths, key_lengths=key_lengths, window=window,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        dropout_broadcast=dropout_broadcast, return_weights=return_weights,
+        implementation=implementation, block_sizes=block_sizes, score=None,
+    )
+
+
+def score_attention(
+    query: Float[ArrayLike, "*B T N Hq"],
+    key: Float[ArrayLike, "*B S K Hk"],
+    value: Float[ArrayLike, "*B S K V"],
+    score_fn,
+    score_params,
+    bias: Float[ArrayLike, "..."] | None = None,
+    mask: Bool[ArrayLike, "..."] | None = None,
+    *,
+    is_causal: bool = False,
+    query_lengths: Int[ArrayLike, "*B"] | None = None,
+    key_lengths: Int[ArrayLike, "*B"] | None = None,
+    window: int | tuple[int, int] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    dropout_broadcast: bool = False,
+    return_weights: bool = False,
+):
+    """Batched multi-head attention with any alignment function and per-head parameters.
+
+    The dense implementation with `score_fn(q [T, Hq], k [S, Hk], **params) -> [T, S]`
+    (e.g. `attnjax.general_score`, `attnjax.additive_score`) in place of the scaled dot
+    product, vmapped over heads and batch like `dot_product_attention`.
+
+    Args:
+      query: `[B, T, N, Hq]` (or `[T, N, Hq]`).
+      key: `[B, S, K, Hk]` (or `[S, K, Hk]`).
+      value: `[B, S, K, V]` (or `[S, K, V]`).
+      score_fn: the alignment function.
+      score_params: a dict of its keyword parameters, each with a leading axis of size N
+        (one set per query head).
+      bias: as for `dot_product_attention`, broadcastable to `[B, N, T, S]`.
+      mask: as for `dot_product_attention`, broadcastable to `[B, N, T, S]`.
+      is_causal: as for `dot_product_attention` (bottom-right alignment).
+      query_lengths: int `[B]`, as for `dot_product_attention`.
+      key_lengths: int `[B]`, as for `dot_product_attention`.
+      window: as for `dot_product_attention`.
+      dropout_rate: as for `dot_product_attention`.
+      dropout_rng: as for `dot_product_attention`.
+      dropout_broadcast: as for `dot_product_attention`.
+      return_weights: also return the `[B, N, T, S]` weights.
+
+    Returns:
+      `[B, T, N, V]`, or (output, weights `[B, N, T, S]`) with return_weights.
+    """
+    return _attention(
+        query, key, value, bias, mask, scale=None, is_causal=is_causal,
+        query_lengths=query_lengths, key_lengths=key_lengths, window=window,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        dropout_broadcast=dropout_broadcast, return_weights=return_weights,
+        implementation="dense", block_sizes=None, score=(score_fn, score_params),
+    )
+
+
+def _attention(
+    query, key, value, bias, mask, *, scale, is_causal, query_lengths, key_lengths, window,
+    dropout_rate, dropout_rng, dropout_broadcast, return_weights, implementation,
+    block_sizes, score,
+):
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     _checks.check_rank("query", query, (3, 4), "[B, T, N, H] or [T, N, H]")
     unbatched = query.ndim == 3
@@ -185,7 +258,7 @@ def dot_product_attention(
     _checks.check_same_dtype(query=query, key=key, value=value)
     if unbatched:
         query, key, value = query[None], key[None], value[None]
-    _check_shapes(query, key, value, layouts)
+    _check_shapes(query, key, value, layouts, same_head_dim=score is None)
     b, t, n, h = query.shape
     s, k = key.shape[1], key.shape[2]
 
@@ -206,7 +279,10 @@ def dot_product_attention(
         lengths.append(x)
     window = _checks.resolve_window(window)
     dropout_rate = _checks.check_dropout(dropout_rate, dropout_rng)
-    scale = _checks.resolve_scale(scale, h)
+    if score is None:
+        scale = _checks.resolve_scale(scale, h)
+    else:
+        score = _check_score(*score, n)
     name = _select_implementation(implementation, return_weights, t, s)
     options = {}
     if block_sizes is not None:
@@ -228,7 +304,8 @@ def dot_product_attention(
         out, weights = _run_vmapped(
             functools.partial(_VMAPPED[name][0], **options), query, key, value, bias, mask, lengths,
             is_causal=is_causal, window=window, scale=scale, dropout_rate=dropout_rate,
-            dropout_rng=dropout_rng, return_weights=return_weights,
+            dropout_rng=dropout_rng, dropout_broadcast=dropout_broadcast,
+            return_weights=return_weights, score=score,
         )
     if unbatched:
         out = out[0]
@@ -236,7 +313,21 @@ def dot_product_attention(
     return (out, weights) if return_weights else out
 
 
-def _check_shapes(query, key, value, layouts) -> None:
+def _check_score(score_fn, score_params, num_heads: int):
+    if not callable(score_fn):
+        raise TypeError(f"score_fn must be callable; got {type(score_fn).__name__}")
+    if not isinstance(score_params, dict):
+        raise TypeError(f"score_params must be a dict of arrays; got {type(score_params).__name__}")
+    for name, x in score_params.items():
+        if jnp.ndim(x) < 1 or jnp.shape(x)[0] != num_heads:
+            raise ValueError(
+                f"score_params[{name!r}] must have a leading head axis of size N={num_heads}; "
+                f"got shape {_checks.shape_str(jnp.shape(x))}"
+            )
+    return score_fn, score_params
+
+
+def _check_shapes(query, key, value, layouts, same_head_dim=True) -> None:
     b, t, n, h = query.shape
     shapes = {name: _checks.shape_str(x.shape) for name, x in
               (("query", query), ("key", key), ("value", value))}
@@ -253,7 +344,7 @@ def _check_shapes(query, key, value, layouts) -> None:
         fail("key and value must share the key length S")
     if key.shape[2] != value.shape[2]:
         fail("key and value must share the number of key/value heads K")
-    if key.shape[3] != h:
+    if same_head_dim and key.shape[3] != h:
         fail("query and key must share the head dim H")
     if key.shape[2] == 0 or n % key.shape[2] != 0:
         fail(f"the number of key/value heads K={key.shape[2]} must divide the query heads N={n}")
@@ -261,7 +352,7 @@ def _check_shapes(query, key, value, layouts) -> None:
 
 def _run_vmapped(
     fn, query, key, value, bias, mask, lengths, *, is_causal, window, scale,
-    dropout_rate, dropout_rng, return_weights,
+    dropout_rate, dropout_rng, dropout_broadcast, return_weights, score,
 ):
     b, t, n, h = query.shape
     s, k = key.shape[1], key.shape[2]
@@ -273,27 +364,41 @@ def _run_vmapped(
         mask, mask_axes = _group_heads(mask, n, k)
     keys = None
     if dropout_rate > 0.0:
-        # One key per (example, query head): dropout masks independent across both.
-        keys = jax.random.split(dropout_rng, b * n)
+        # One key per (example, query head): dropout masks independent across both,
+        # unless one mask is to be shared by all.
+        if dropout_broadcast:
+            keys = jnp.broadcast_to(dropout_rng, (b * n,) + jnp.shape(dropout_rng))
+        else:
+            keys = jax.random.split(dropout_rng, b * n)
         keys = keys.reshape((b, k, g) + keys.shape[1:])
+    score_fn, score_params = score if score is not None else (None, None)
+    if score_params is not None:
+        # [N, ...] -> [K, G, ...]: one parameter set per query head.
+        score_params = jax.tree.map(lambda x: jnp.reshape(x, (k, g) + jnp.shape(x)[1:]),
+                                    score_params)
 
     single = functools.partial(
-        _single_head, fn, is_causal=is_causal, window=window, scale=scale,
+        _single_head, fn, score_fn, is_causal=is_causal, window=window, scale=scale,
         dropout_rate=dropout_rate, return_weights=return_weights,
     )
     run = _vmapped(single, (b, k, g), bias_axes, mask_axes,
-                   tuple(x is not None for x in lengths), keys is not None)
+                   tuple(x is not None for x in lengths), keys is not None,
+                   score_params is not None)
     # [B, T, K, G, H]
     grouped_query = query.reshape(b, t, k, g, h)
     # out [B, T, K, G, V], weights [B, K, G, T, S] or None
-    out, weights = run(grouped_query, key, value, bias, mask, lengths[0], lengths[1], keys)
+    out, weights = run(grouped_query, key, value, bias, mask, lengths[0], lengths[1], keys,
+                       score_params)
     out = out.reshape(b, t, n, value.shape[-1])
     if weights is not None:
         weights = weights.reshape(b, n, t, s)
     return out, weights
 
 
-def _single_head(fn, q, k, v, bias, mask, query_length, key_length, dropout_key, **options):
+def _single_head(fn, score_fn, q, k, v, bias, mask, query_length, key_length, dropout_key,
+                 score_params, **options):
+    if score_fn is not None:
+        options["score_fn"] = functools.partial(score_fn, **score_params)
     return fn(
         q, k, v, bias=bias, mask=mask, query_length=query_length, key_length=key_length,
         dropout_key=dropout_key, **options,

@@ -26,6 +26,7 @@ def dense_attention(
     dropout_rate: float,
     dropout_key: Array | None,
     return_weights: bool,
+    score_fn=None,
 ) -> tuple[Float[ArrayLike, "T V"], Float[ArrayLike, "T S"] | None]:
     """Attention of one head with every mask applied; weights before dropout if asked."""
     num_queries, num_keys = q.shape[0], k.shape[0]
@@ -42,8 +43,9 @@ def dense_attention(
         key_length=key_length,
     )
     visible = masks.combine_masks(visible, mask)
-    # [T, S], float32
-    weights = core.masked_softmax(core.logits(q, k, bias=bias, scale=scale), visible)
+    # [T, S], float32; a custom alignment replaces the scaled dot product and its scale.
+    scores = core.logits(q, k, bias=bias, scale=None if score_fn else scale, score_fn=score_fn)
+    weights = core.masked_softmax(scores, visible)
     mixed = weights
     if dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, weights.shape)

@@ -153,6 +153,25 @@ def _dense(p: Mapping[str, ArrayLike], x: ArrayLike, spec: str) -> Array:
     return y
 
 
+def project_query(params: Mapping[str, Mapping[str, ArrayLike]], inputs_q: ArrayLike) -> Array:
+    """`[B, T, D]` -> queries `[B, T, N, H]` with params["query"]."""
+    return _dense(params["query"], inputs_q, "...TD,DNH->...TNH")
+
+
+def project_key_value(
+    params: Mapping[str, Mapping[str, ArrayLike]], inputs_k: ArrayLike, inputs_v: ArrayLike
+) -> tuple[Array, Array]:
+    """`[B, S, Dk]`, `[B, S, Dv]` -> keys `[B, S, K, H]` and values `[B, S, K, V]`."""
+    key = _dense(params["key"], inputs_k, "...SD,DKH->...SKH")
+    value = _dense(params["value"], inputs_v, "...SD,DKV->...SKV")
+    return key, value
+
+
+def combine_heads(params: Mapping[str, Mapping[str, ArrayLike]], heads: ArrayLike) -> Array:
+    """Concat(head_1..h) W^O: `[B, T, N, V]` -> `[B, T, F]` with params["out"]."""
+    return _dense(params["out"], heads, "...TNV,NVF->...TF")
+
+
 def multi_head_attention(
     params: Mapping[str, Mapping[str, ArrayLike]],
     inputs_q: Float[ArrayLike, "*B T D"],
@@ -181,13 +200,11 @@ def multi_head_attention(
     _check_inputs(inputs_q, inputs_k, inputs_v)
     _check_params(params, inputs_q, inputs_k, inputs_v)
     # [B, T, N, H]
-    query = _dense(params["query"], inputs_q, "...TD,DNH->...TNH")
-    # [B, S, K, H]
-    key = _dense(params["key"], inputs_k, "...SD,DKH->...SKH")
-    # [B, S, K, V]
-    value = _dense(params["value"], inputs_v, "...SD,DKV->...SKV")
+    query = project_query(params, inputs_q)
+    # [B, S, K, H], [B, S, K, V]
+    key, value = project_key_value(params, inputs_k, inputs_v)
     result = dot_product_attention(query, key, value, **attention_options)
     heads, weights = result if attention_options.get("return_weights") else (result, None)
     # [B, T, F]
-    out = _dense(params["out"], heads, "...TNV,NVF->...TF")
+    out = combine_heads(params, heads)
     return (out, weights) if weights is not None else out

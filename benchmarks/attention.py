@@ -4,8 +4,9 @@
     python benchmarks/attention.py --quick    # T = S in {256, 1024}, fewer repeats
 
 First the machine's float32 GEMM rate (a 2048³ `jnp.dot`), then for B=1, N=8, H=64,
-float32: forward and forward+backward time (median after warm-up, calls interleaved,
-`block_until_ready`) of attnjax auto / dense / chunked, `jax.nn.dot_product_attention`
+float32: forward and forward+backward time (`block_until_ready`, median after warm-up
+of ≥ 5 calls each timed in a run of its own from T = 2048; below, of ≥ 25 calls, 101
+for T ≤ 256, interleaved call by call) of attnjax auto / dense / chunked, `jax.nn.dot_product_attention`
 and `flax.linen.dot_product_attention`, causal and not. GFLOP/s counts 4·B·N·T·S·H for
 the forward and 2.5× that for forward+backward, causal or not, so a causal row's rate is
 the rate of the full computation it stands in for. Memory is XLA's compiled temporary
@@ -88,7 +89,13 @@ def run(sizes, memory_only_sizes, repeats, gemm):
                     if temps[name] <= MAX_TIMED_TEMP_BYTES and t not in memory_only_sizes:
                         fns[name] = fn
                 start = time.perf_counter()
-                times = median_times(fns, args, repeats=repeats, warmup=1) if fns else {}
+                # Sub-millisecond runs are noisy: many repeats, interleaved call by call
+                # so drift hits every peer alike. From T = 2048 each implementation is
+                # timed in a run of its own, so dense peers that stream gigabytes through
+                # memory do not evict the caches of the one timed after them.
+                reps = repeats if t >= 2048 else max(repeats, 25 if t > 256 else 101)
+                times = median_times(fns, args, repeats=reps, warmup=2,
+                                     interleave=t < 2048) if fns else {}
                 print(f"  T=S={t} {pass_name} causal={causal}: "
                       f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
                 flops = 4 * B * N * t * t * H * flop_factor
@@ -128,8 +135,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T = S in {256, 1024}, 3 repeats")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--sizes", type=int, nargs="+", help="T = S values to time")
     args = parser.parse_args()
-    if args.quick:
+    if args.sizes:
+        sizes, memory_only, repeats = args.sizes, [], args.repeats or 5
+    elif args.quick:
         sizes, memory_only, repeats = [256, 1024], [], args.repeats or 3
     else:
         sizes, memory_only, repeats = [128, 256, 512, 1024, 2048, 4096, 8192], [16384], args.repeats or 5

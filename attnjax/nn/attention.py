@@ -1,0 +1,207 @@
+"""`MultiHeadAttention`: flax.linen's multi-head attention on attnjax's functions.
+
+The module holds the parameters (the tree of `flax.linen.MultiHeadDotProductAttention`)
+and the KV cache; projections and attention are `attnjax.multi_head` and
+`attnjax.dot_product_attention` (or `attnjax.score_attention` for the learned scores).
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attnjax import _checks, masks, multi_head, scores
+from attnjax.attention import dot_product_attention, score_attention
+
+SCORES = ("scaled_dot", "dot", "general", "additive")
+
+
+def _flat_fan_in(init: Callable, fan_in_axes: int) -> Callable:
+    """Initialise the flattened [fan_in, fan_out] matrix, as flax's DenseGeneral does."""
+    def flat_init(key, shape, dtype):
+        fan_in, fan_out = math.prod(shape[:fan_in_axes]), math.prod(shape[fan_in_axes:])
+        return init(key, (fan_in, fan_out), dtype).reshape(shape)
+    return flat_init
+
+
+class _Projection(nn.Module):
+    """Holds one projection's {"kernel", "bias"}; the maths is in `attnjax.multi_head`."""
+
+    fan_in: tuple[int, ...]
+    fan_out: tuple[int, ...]
+    use_bias: bool
+    kernel_init: Callable
+    bias_init: Callable
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self) -> dict:
+        init = _flat_fan_in(self.kernel_init, len(self.fan_in))
+        params = {"kernel": self.param("kernel", init, self.fan_in + self.fan_out, self.param_dtype)}
+        if self.use_bias:
+            params["bias"] = self.param("bias", self.bias_init, self.fan_out, self.param_dtype)
+        return params
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with flax's names, parameters and KV-cache convention.
+
+    Attributes shared with `flax.linen.MultiHeadDotProductAttention`: num_heads, dtype,
+    param_dtype, qkv_features, out_features, broadcast_dropout, dropout_rate,
+    deterministic, kernel_init, bias_init, use_bias, decode. attnjax's own:
+    num_kv_heads (K < N: grouped-query, 1: multi-query attention), is_causal
+    (bottom-right aligned), window, implementation, and score: "scaled_dot" (default),
+    "dot" (unscaled), "general" (q W_n kᵀ with a learned `[N, H, H]` W) or "additive"
+    (v_nᵀ tanh(W_q q + W_k k) with learned `[N, H, H]`, `[N, H, H]`, `[N, H]`).
+
+    With decode=True, `init` on a full-length input sizes the cache, and each
+    `apply(..., mutable=["cache"])` appends any number of new tokens (a chunked prefill,
+    then one at a time) that attend to everything cached so far (causally when
+    is_causal). The cache holds the K key/value heads.
+    """
+
+    num_heads: int
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    qkv_features: int | None = None
+    out_features: int | None = None
+    broadcast_dropout: bool = True
+    dropout_rate: float = 0.0
+    deterministic: bool | None = None
+    kernel_init: Callable = nn.initializers.lecun_normal()
+    bias_init: Callable = nn.initializers.zeros_init()
+    use_bias: bool = True
+    decode: bool = False
+    num_kv_heads: int | None = None
+    is_causal: bool = False
+    window: int | tuple[int, int] | None = None
+    implementation: str | None = None
+    score: str = "scaled_dot"
+
+    @nn.compact
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
+                 query_lengths=None, key_lengths=None, deterministic=None, dropout_rng=None,
+                 sow_weights=False):
+        """inputs_q `[B, T, D]`, inputs_k `[B, S, Dk]` (default inputs_q), inputs_v
+        `[B, S, Dv]` (default inputs_k) -> `[B, T, F]`. mask, bias, query_lengths and
+        key_lengths as for `attnjax.dot_product_attention`."""
+        inputs_k = inputs_q if inputs_k is None else inputs_k
+        inputs_v = inputs_k if inputs_v is None else inputs_v
+        dtype = self.dtype or inputs_q.dtype
+        inputs_q, inputs_k, inputs_v = (jnp.asarray(x, dtype) for x in (inputs_q, inputs_k, inputs_v))
+        params, head_dim = self._parameters(inputs_q.shape[-1], inputs_k.shape[-1], inputs_v.shape[-1])
+        # [B, T, N, H]
+        query = multi_head.project_query(params, inputs_q)
+        # [B, S, K, H], [B, S, K, V]
+        key, value = multi_head.project_key_value(params, inputs_k, inputs_v)
+
+        is_causal, window = self.is_causal, self.window
+        if self.decode and self.has_variable("cache", "cached_key"):
+            key, value, visible = self._append_to_cache(key, value)
+            mask = masks.combine_masks(mask, visible)
+            is_causal, window = False, None  # folded into `visible`
+
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        rate = 0.0 if deterministic else self.dropout_rate
+        if rate > 0.0 and dropout_rng is None:
+            dropout_rng = self.make_rng("dropout")
+        options = dict(
+            bias=bias, mask=mask, is_causal=bool(is_causal), window=window,
+            query_lengths=query_lengths, key_lengths=key_lengths, dropout_rate=rate,
+            dropout_rng=dropout_rng, dropout_broadcast=self.broadcast_dropout,
+            return_weights=sow_weights,
+        )
+        if self.score in ("scaled_dot", "dot"):
+            result = dot_product_attention(
+                query, key, value, scale=1.0 if self.score == "dot" else None,
+                implementation=self.implementation, **options)
+        else:
+            score_fn, score_params = self._score_parameters(head_dim, dtype)
+            result = score_attention(query, key, value, score_fn, score_params, **options)
+        heads, weights = result if sow_weights else (result, None)
+        if sow_weights:
+            self.sow("intermediates", "attention_weights", weights)
+        # [B, T, F]
+        return multi_head.combine_heads(params, heads)
+
+    def _parameters(self, d_q: int, d_k: int, d_v: int):
+        features = self.qkv_features or d_q
+        num_kv_heads = self.num_kv_heads or self.num_heads
+        if features % self.num_heads:
+            raise ValueError(f"qkv_features must be divisible by num_heads; got "
+                             f"qkv_features={features}, num_heads={self.num_heads}")
+        if self.num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads must divide num_heads; got "
+                             f"num_kv_heads={num_kv_heads}, num_heads={self.num_heads}")
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
+        h = features // self.num_heads
+        shapes = {
+            "query": ((d_q,), (self.num_heads, h)),
+            "key": ((d_k,), (num_kv_heads, h)),
+            "value": ((d_v,), (num_kv_heads, h)),
+            "out": ((self.num_heads, h), (self.out_features or d_q,)),
+        }
+        params = {
+            name: _Projection(fan_in, fan_out, self.use_bias, self.kernel_init, self.bias_init,
+                              self.param_dtype, name=name)()
+            for name, (fan_in, fan_out) in shapes.items()
+        }
+        return params, h
+
+    def _score_parameters(self, h: int, dtype):
+        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        n = self.num_heads
+        if self.score == "general":
+            w = self.param("score_w", init, (n, h, h), self.param_dtype)
+            return scores.general_score, {"w": w.astype(dtype)}
+        params = {
+            "w_q": self.param("score_w_q", init, (n, h, h), self.param_dtype),
+            "w_k": self.param("score_w_k", init, (n, h, h), self.param_dtype),
+            "v": self.param("score_v", nn.initializers.normal(1.0 / math.sqrt(h)), (n, h),
+                            self.param_dtype),
+        }
+        return scores.additive_score, {k: p.astype(dtype) for k, p in params.items()}
+
+    def _append_to_cache(self, key, value):
+        """Write the new keys/values at the cache index; the visibility of the cache."""
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        capacity, new = cached_key.value.shape[1], key.shape[1]
+        start = index.value
+        _check_room(start, new, capacity)
+        zero = jnp.int32(0)
+        cached_key.value = lax.dynamic_update_slice(cached_key.value, key.astype(cached_key.value.dtype),
+                                                    (zero, start, zero, zero))
+        cached_value.value = lax.dynamic_update_slice(
+            cached_value.value, value.astype(cached_value.value.dtype), (zero, start, zero, zero))
+        index.value = start + new
+        # Query i of this call sits at cache position start + i.
+        q_pos = start + lax.broadcasted_iota(jnp.int32, (new, 1), 0)
+        k_pos = lax.broadcasted_iota(jnp.int32, (1, capacity), 1)
+        visible = k_pos < start + new
+        if self.is_causal:
+            visible = visible & (k_pos <= q_pos)
+        if self.window is not None:
+            left, right = _checks.resolve_window(self.window)
+            visible = visible & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+        # [1, 1, T, S_cache]
+        return cached_key.value, cached_value.value, visible[None, None]
+
+
+def _check_room(start, new: int, capacity: int) -> None:
+    """Appending past the cache is an error: at trace time when the index is known,
+    otherwise when the computation runs."""
+    message = "KV cache overrun: {} new tokens at position {} exceed the cache length {}"
+    if isinstance(start, jax.core.Tracer):
+        def check(position):
+            if int(position) + new > capacity:
+                raise ValueError(message.format(new, int(position), capacity))
+        jax.debug.callback(check, start)
+    elif int(start) + new > capacity:
+        raise ValueError(message.format(new, int(start), capacity))

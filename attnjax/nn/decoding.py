@@ -1,0 +1,96 @@
+"""Decoding with the KV cache, under `jax.jit`: greedy for the encoder–decoder,
+greedy or sampled generation for the decoder-only model."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attnjax.nn.models import DecoderOnly, Transformer
+
+
+def _empty_cache(model, *args, method=None):
+    """The zero-filled "cache" collection a decode=True model starts from."""
+    shapes = jax.eval_shape(functools.partial(model.init, method=method), jax.random.key(0), *args)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_len", "bos_id", "eos_id", "pad_id"))
+def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len: int,
+                  bos_id: int, eos_id: int, pad_id: int = 0):
+    """Greedy decoding: `src [B, S]` -> `[B, max_len]` target tokens (without BOS).
+
+    Each sequence stops at its EOS (kept; pad after it); the loop stops when every
+    sequence has, or at max_len. The encoder runs once; the decoder runs one token a
+    step on the KV cache.
+    """
+    b = src.shape[0]
+    memory = model.apply({"params": params}, src, src_lengths, method=Transformer.encode)
+    decoder = model.clone(decode=True)
+    cache = _empty_cache(decoder, memory, jnp.zeros((b, max_len), jnp.int32),
+                         method=_full_length_decoder)
+
+    def step(state):
+        i, tokens, last, done, cache = state
+        logits, variables = decoder.apply(
+            {"params": params, "cache": cache}, last[:, None], memory, src_lengths,
+            method=Transformer.decode_logits, mutable=["cache"])
+        # [B]
+        token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        token = jnp.where(done, pad_id, token)
+        tokens = tokens.at[:, i].set(token)
+        return i + 1, tokens, token, done | (token == eos_id), variables["cache"]
+
+    def running(state):
+        i, _, _, done, _ = state
+        return (i < max_len) & ~jnp.all(done)
+
+    init = (jnp.int32(0), jnp.full((b, max_len), pad_id, jnp.int32),
+            jnp.full((b,), bos_id, jnp.int32), jnp.zeros((b,), bool), cache)
+    return lax.while_loop(running, step, init)[1]
+
+
+def _full_length_decoder(module, memory, tgt):
+    """Sizes the decoder's cache: one decoder pass over a full-length target."""
+    return module.decode_logits(tgt, memory)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature"))
+def generate(model: DecoderOnly, params, prompt, *, max_new_tokens: int,
+             temperature: float = 0.0, rng=None):
+    """Continue `prompt [B, P]` by max_new_tokens: `[B, P + max_new_tokens]`.
+
+    The prompt is prefilled in one call on the KV cache, then tokens come one at a
+    time: the most likely (temperature 0) or sampled from softmax(logits / temperature)
+    with `rng`.
+    """
+    b, p = prompt.shape
+    if temperature > 0.0 and rng is None:
+        raise ValueError(f"temperature={temperature} samples and needs an rng; got None")
+    rng = jax.random.key(0) if rng is None else rng
+    decoder = model.clone(decode=True)
+    total = p + max_new_tokens
+    cache = _empty_cache(decoder, jnp.zeros((b, total), jnp.int32))
+
+    def pick(logits, key):
+        if temperature > 0.0:
+            return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    logits, variables = decoder.apply({"params": params, "cache": cache}, prompt,
+                                      mutable=["cache"])
+    tokens = jnp.concatenate([prompt.astype(jnp.int32),
+                              jnp.zeros((b, max_new_tokens), jnp.int32)], axis=1)
+    first = pick(logits[:, -1], jax.random.fold_in(rng, 0))
+    tokens = tokens.at[:, p].set(first)
+
+    def step(i, state):
+        tokens, cache = state
+        logits, variables = decoder.apply(
+            {"params": params, "cache": cache}, lax.dynamic_slice_in_dim(tokens, p + i - 1, 1, 1),
+            mutable=["cache"])
+        token = pick(logits[:, -1], jax.random.fold_in(rng, i))
+        return lax.dynamic_update_slice_in_dim(tokens, token[:, None], p + i, 1), variables["cache"]
+
+    return lax.fori_loop(1, max_new_tokens, step, (tokens, variables["cache"]))[0]

@@ -1,0 +1,70 @@
+"""Feed-forward and positional-encoding modules."""
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+class FeedForward(nn.Module):
+    """Position-wise Dense(d_ff) → activation → dropout → Dense(d_model)."""
+
+    d_ff: int
+    dropout_rate: float = 0.0
+    activation: str = "relu"
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, *, deterministic: bool = True):
+        act = {"relu": nn.relu, "gelu": nn.gelu}[self.activation]
+        # [B, L, F]
+        hidden = act(nn.Dense(self.d_ff, dtype=self.dtype, name="wi")(x))
+        hidden = nn.Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
+        # [B, L, D]
+        return nn.Dense(x.shape[-1], dtype=self.dtype, name="wo")(hidden)
+
+
+def sinusoids(length: int, d_model: int, offset=0) -> jnp.ndarray:
+    """`[L, D]` sin/cos encodings of positions offset..offset+L-1 (the 2017 paper's)."""
+    # [D/2]
+    rates = 1.0 / (10000.0 ** (np.arange(0, d_model, 2) / d_model))
+    # [L, 1]
+    positions = (offset + lax.broadcasted_iota(jnp.int32, (length, 1), 0)).astype(jnp.float32)
+    angles = positions * jnp.asarray(rates[None, :], jnp.float32)
+    encoding = jnp.zeros((length, d_model), jnp.float32)
+    encoding = encoding.at[:, 0::2].set(jnp.sin(angles))
+    return encoding.at[:, 1::2].set(jnp.cos(angles[:, : d_model // 2]))
+
+
+class PositionalEncoding(nn.Module):
+    """Adds sinusoidal or learned position encodings to `[B, L, D]` embeddings.
+
+    kind: "sinusoidal", "learned" (a `[max_len, D]` table) or "none". With decode=True
+    the module keeps its own position in the "cache" collection, so tokens fed a chunk
+    at a time get the positions they would have in one full-length call.
+    """
+
+    max_len: int
+    kind: str = "sinusoidal"
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        length, d_model = x.shape[-2], x.shape[-1]
+        if self.kind == "none":
+            return x
+        offset = jnp.int32(0)
+        if self.decode:
+            initialised = self.has_variable("cache", "position")
+            position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+            if initialised:
+                offset = position.value
+                position.value = offset + length
+        if self.kind == "sinusoidal":
+            table = sinusoids(length, d_model, offset)
+        else:
+            full = self.param("embedding", nn.initializers.normal(0.02), (self.max_len, d_model))
+            table = lax.dynamic_slice_in_dim(full, offset, length)
+        return x + table.astype(x.dtype)[None]

@@ -1,0 +1,275 @@
+"""Transformer blocks and models: an encoder–decoder `Transformer` and a `DecoderOnly`.
+
+Each model takes one frozen config, validated when it is made. Blocks are pre-LN by
+default (x + Dropout(f(LN(x)))) or post-LN as in the 2017 paper (LN(x + Dropout(f(x)))).
+"""
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from attnjax.nn.attention import MultiHeadAttention
+from attnjax.nn.layers import FeedForward, PositionalEncoding
+
+POSITIONAL = ("sinusoidal", "learned", "none")
+ACTIVATIONS = ("relu", "gelu")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_config(config) -> None:
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)
+                                           or value <= 0):
+            raise ValueError(f"{type(config).__name__}.{field.name} must be a positive int; "
+                             f"got {value!r}")
+    if config.d_model % config.num_heads:
+        raise ValueError(f"d_model must be divisible by num_heads; got d_model={config.d_model}, "
+                         f"num_heads={config.num_heads}")
+    kv = config.num_kv_heads
+    if kv is not None and (not isinstance(kv, int) or kv <= 0 or config.num_heads % kv):
+        raise ValueError(f"num_kv_heads must be a positive divisor of num_heads="
+                         f"{config.num_heads}; got {kv!r}")
+    for name in ("dropout_rate", "attention_dropout_rate"):
+        rate = getattr(config, name)
+        if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1); got {rate!r}")
+    for name, allowed in (("positional", POSITIONAL), ("activation", ACTIVATIONS),
+                          ("dtype", DTYPES)):
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}; got {getattr(config, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """An encoder–decoder Transformer (separate source and target vocabularies)."""
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int = 128
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    num_encoder_layers: int = 2
+    num_decoder_layers: int = 2
+    d_ff: int = 512
+    max_len: int = 128
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.0
+    positional: str = "sinusoidal"
+    pre_ln: bool = True
+    share_embeddings: bool = False
+    activation: str = "relu"
+    implementation: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        _check_config(self)
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError("share_embeddings needs src_vocab_size == tgt_vocab_size; got "
+                             f"{self.src_vocab_size} and {self.tgt_vocab_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderOnlyConfig:
+    """A decoder-only language model."""
+
+    vocab_size: int
+    d_model: int = 128
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    num_layers: int = 2
+    d_ff: int = 512
+    max_len: int = 256
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.0
+    positional: str = "sinusoidal"
+    pre_ln: bool = True
+    activation: str = "relu"
+    implementation: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        _check_config(self)
+
+
+def _attention(config, name: str, **kw) -> MultiHeadAttention:
+    return MultiHeadAttention(
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        dropout_rate=config.attention_dropout_rate, implementation=config.implementation,
+        dtype=jnp.dtype(config.dtype), name=name, **kw)
+
+
+class _Residual(nn.Module):
+    """x + Dropout(f(LN(x))) (pre-LN) or LN(x + Dropout(f(x))) (post-LN)."""
+
+    config: Any
+
+    @nn.compact
+    def __call__(self, x, f, *, deterministic):
+        drop = nn.Dropout(self.config.dropout_rate)
+        if self.config.pre_ln:
+            return x + drop(f(nn.LayerNorm(name="ln")(x)), deterministic=deterministic)
+        return nn.LayerNorm(name="ln")(x + drop(f(x), deterministic=deterministic))
+
+
+class EncoderBlock(nn.Module):
+    """Self-attention over the source, then the feed-forward network."""
+
+    config: Any
+
+    @nn.compact
+    def __call__(self, x, *, lengths=None, deterministic=True, sow_weights=False):
+        attend = _attention(self.config, "self")
+        x = _Residual(self.config, name="self_residual")(
+            x, lambda h: attend(h, query_lengths=lengths, key_lengths=lengths,
+                                deterministic=deterministic, sow_weights=sow_weights),
+            deterministic=deterministic)
+        ffn = FeedForward(self.config.d_ff, self.config.dropout_rate, self.config.activation,
+                          name="ffn")
+        return _Residual(self.config, name="ffn_residual")(
+            x, lambda h: ffn(h, deterministic=deterministic), deterministic=deterministic)
+
+
+class DecoderBlock(nn.Module):
+    """Causal self-attention, cross-attention to the encoder (when given), feed-forward."""
+
+    config: Any
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, memory=None, *, memory_lengths=None, deterministic=True,
+                 sow_weights=False):
+        attend = _attention(self.config, "self", is_causal=True, decode=self.decode)
+        x = _Residual(self.config, name="self_residual")(
+            x, lambda h: attend(h, deterministic=deterministic, sow_weights=sow_weights),
+            deterministic=deterministic)
+        if memory is not None:
+            cross = _attention(self.config, "cross")
+            x = _Residual(self.config, name="cross_residual")(
+                x, lambda h: cross(h, memory, key_lengths=memory_lengths,
+                                   deterministic=deterministic, sow_weights=sow_weights),
+                deterministic=deterministic)
+        ffn = FeedForward(self.config.d_ff, self.config.dropout_rate, self.config.activation,
+                          name="ffn")
+        return _Residual(self.config, name="ffn_residual")(
+            x, lambda h: ffn(h, deterministic=deterministic), deterministic=deterministic)
+
+
+class _Stack(nn.Module):
+    """Layers layer_0..layer_{n-1} of one block type, and a final LayerNorm when pre-LN."""
+
+    config: Any
+    num_layers: int
+    encoder: bool
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, memory=None, *, lengths=None, memory_lengths=None, deterministic=True,
+                 sow_weights=False):
+        for i in range(self.num_layers):
+            if self.encoder:
+                x = EncoderBlock(self.config, name=f"layer_{i}")(
+                    x, lengths=lengths, deterministic=deterministic, sow_weights=sow_weights)
+            else:
+                x = DecoderBlock(self.config, self.decode, name=f"layer_{i}")(
+                    x, memory, memory_lengths=memory_lengths, deterministic=deterministic,
+                    sow_weights=sow_weights)
+        return nn.LayerNorm(name="ln_final")(x) if self.config.pre_ln else x
+
+
+class _Embed(nn.Module):
+    """Token embedding scaled by √D, then positions, then dropout."""
+
+    config: Any
+    vocab_size: int
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, tokens, *, deterministic=True, embed=None):
+        embed = embed or nn.Embed(self.vocab_size, self.config.d_model,
+                                  embedding_init=nn.initializers.normal(1.0), name="tokens")
+        # [B, L, D]
+        x = embed(tokens) * jnp.sqrt(jnp.float32(self.config.d_model))
+        x = PositionalEncoding(self.config.max_len, self.config.positional, self.decode,
+                               name="positions")(x)
+        x = nn.Dropout(self.config.dropout_rate)(x, deterministic=deterministic)
+        return x.astype(jnp.dtype(self.config.dtype))
+
+
+class Transformer(nn.Module):
+    """Encoder–decoder Transformer: `(src [B, S], tgt [B, T]) -> logits [B, T, V_tgt]`.
+
+    src_lengths `[B]` marks source padding. With decode=True, `decode` runs on a KV
+    cache (see `attnjax.nn.greedy_decode`).
+    """
+
+    config: TransformerConfig
+    decode: bool = False
+
+    def setup(self):
+        c = self.config
+        self.src_embed = _Embed(c, c.src_vocab_size, name="src_embed")
+        self.tgt_embed = _Embed(c, c.tgt_vocab_size, self.decode, name="tgt_embed")
+        self.shared = (nn.Embed(c.src_vocab_size, c.d_model, name="shared_embedding",
+                                embedding_init=nn.initializers.normal(1.0))
+                       if c.share_embeddings else None)
+        self.encoder = _Stack(c, c.num_encoder_layers, encoder=True, name="encoder")
+        self.decoder = _Stack(c, c.num_decoder_layers, encoder=False, decode=self.decode,
+                              name="decoder")
+        self.logits = nn.Dense(c.tgt_vocab_size, name="logits")
+
+    def encode(self, src, src_lengths=None, *, deterministic=True, sow_weights=False):
+        """`[B, S]` tokens -> `[B, S, D]` memory."""
+        x = self.src_embed(src, deterministic=deterministic, embed=self.shared)
+        return self.encoder(x, lengths=src_lengths, deterministic=deterministic,
+                            sow_weights=sow_weights)
+
+    def decode_logits(self, tgt, memory, src_lengths=None, *, deterministic=True,
+                      sow_weights=False):
+        """`[B, T]` target tokens and `[B, S, D]` memory -> `[B, T, V_tgt]` logits."""
+        x = self.tgt_embed(tgt, deterministic=deterministic, embed=self.shared)
+        x = self.decoder(x, memory, memory_lengths=src_lengths, deterministic=deterministic,
+                         sow_weights=sow_weights)
+        return self.logits(x.astype(jnp.float32))
+
+    def __call__(self, src, tgt, src_lengths=None, *, deterministic=True, sow_weights=False):
+        memory = self.encode(src, src_lengths, deterministic=deterministic,
+                             sow_weights=sow_weights)
+        return self.decode_logits(tgt, memory, src_lengths, deterministic=deterministic,
+                                  sow_weights=sow_weights)
+
+
+class DecoderOnly(nn.Module):
+    """A causal language model: `tokens [B, L] -> logits [B, L, V]`."""
+
+    config: DecoderOnlyConfig
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, tokens, *, deterministic=True, sow_weights=False):
+        c = self.config
+        x = _Embed(c, c.vocab_size, self.decode, name="embed")(tokens, deterministic=deterministic)
+        x = _Stack(c, c.num_layers, encoder=False, decode=self.decode, name="decoder")(
+            x, deterministic=deterministic, sow_weights=sow_weights)
+        return nn.Dense(c.vocab_size, name="logits")(x.astype(jnp.float32))
+
+
+def attention_maps(intermediates) -> dict:
+    """Sown weights as `{"encoder/layer_0/self": [B, N, T, S], ...}`.
+
+    Pass `intermediates` from `model.apply(..., sow_weights=True,
+    mutable=["intermediates"])`.
+    """
+    maps = {}
+
+    def walk(tree, path):
+        for name, sub in tree.items():
+            if name == "attention_weights":
+                maps["/".join(path)] = sub[0]
+            elif isinstance(sub, dict) or hasattr(sub, "items"):
+                walk(sub, path + [name])
+
+    walk(intermediates, [])
+    return maps

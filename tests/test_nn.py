@@ -1,0 +1,263 @@
+"""Layer 5: Flax modules, KV-cache decoding, models."""
+
+import chex
+import flax.linen as flax_nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnjax
+from attnjax import nn
+
+B, T, S, D, DK, N = 2, 5, 7, 12, 10, 4
+
+
+def _x(rng, *shape, dtype=jnp.float32):
+    return jax.random.normal(rng, shape, dtype)
+
+
+def _perturbed(params, rng, scale=0.1):
+    """Non-zero biases and non-default kernels, so nothing passes by being zero."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(rng, len(leaves))
+    return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
+                                     for x, k in zip(leaves, keys)])
+
+
+# --- MultiHeadAttention against flax -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["self", "cross", "masked"])
+def test_mha_params_and_outputs_equal_flax(rng, kind):
+    x = _x(jax.random.fold_in(rng, 1), B, T, D)
+    y = x if kind == "self" else _x(jax.random.fold_in(rng, 2), B, S, DK)
+    mask = None
+    if kind == "masked":
+        mask = jax.random.bernoulli(jax.random.fold_in(rng, 3), 0.7, (B, 1, T, S)).at[..., 0].set(True)
+    ours = nn.MultiHeadAttention(num_heads=N, qkv_features=16, out_features=9)
+    theirs = flax_nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=16, out_features=9)
+    with jax.numpy_dtype_promotion("standard"):
+        flax_params = theirs.init(rng, x, y)["params"]
+    our_params = ours.init(rng, x, y)["params"]
+    chex.assert_trees_all_equal_shapes_and_dtypes(our_params, flax_params)
+    flax_params = _perturbed(flax_params, rng)
+    with jax.numpy_dtype_promotion("standard"):
+        expected = theirs.apply({"params": flax_params}, x, y, mask=mask)
+    got = ours.apply({"params": flax_params}, x, y, mask=mask)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_mha_dropout_follows_flax_broadcast_convention(rng):
+    x = _x(rng, B, T, D)
+    module = nn.MultiHeadAttention(num_heads=N, dropout_rate=0.5, deterministic=False)
+    params = module.init({"params": rng, "dropout": rng}, x)["params"]
+    run = lambda m, key: m.apply({"params": params}, x, rngs={"dropout": key})  # noqa: E731
+    np.testing.assert_array_equal(run(module, jax.random.key(1)), run(module, jax.random.key(1)))
+    assert not np.allclose(run(module, jax.random.key(1)), run(module, jax.random.key(2)))
+    # broadcast_dropout=True shares one mask by every example: identical examples stay so.
+    same = jnp.broadcast_to(x[:1], x.shape)
+    shared = module.apply({"params": params}, same, rngs={"dropout": jax.random.key(3)})
+    np.testing.assert_allclose(shared[0], shared[1], rtol=1e-6)
+    independent = module.clone(broadcast_dropout=False).apply(
+        {"params": params}, same, rngs={"dropout": jax.random.key(3)})
+    assert not np.allclose(independent[0], independent[1])
+
+
+# --- KV cache --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+def test_cached_decoding_equals_full_causal_forward(rng, chunk, num_kv_heads):
+    length = 14
+    x = _x(rng, B, length, D)
+    full = nn.MultiHeadAttention(num_heads=N, num_kv_heads=num_kv_heads, is_causal=True)
+    params = _perturbed(full.init(rng, x)["params"], jax.random.fold_in(rng, 1))
+    expected = full.apply({"params": params}, x)
+    cached = full.clone(decode=True)
+    cache = cached.init(rng, x)["cache"]
+    # With GQA the cache holds K heads, not N.
+    chex.assert_shape(cache["cached_key"], (B, length, num_kv_heads or N, D // N))
+    step = jax.jit(lambda cache, piece: cached.apply(
+        {"params": params, "cache": cache}, piece, mutable=["cache"]))
+    outs = []
+    for start in range(0, length, chunk):
+        out, variables = step(cache, x[:, start:start + chunk])
+        cache = variables["cache"]
+        np.testing.assert_allclose(out, expected[:, start:start + chunk], rtol=1e-5, atol=1e-5)
+        outs.append(out)
+    assert int(cache["cache_index"]) == length
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_overrun_is_a_clear_error(rng):
+    x = _x(rng, B, 4, D)
+    module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True)
+    variables = module.init(rng, x)
+    _, mutated = module.apply(variables, x[:, :3], mutable=["cache"])
+    with pytest.raises(ValueError, match="KV cache overrun: 2 new tokens at position 3 exceed "
+                                         "the cache length 4"):
+        module.apply({"params": variables["params"], **mutated}, x[:, :2], mutable=["cache"])
+
+
+# --- learned scores ------------------------------------------------------------------
+
+
+def test_general_and_additive_scores_against_hand_computed_values(rng):
+    x = _x(rng, 1, 3, 8)
+    for score in ("general", "additive"):
+        module = nn.MultiHeadAttention(num_heads=2, score=score)
+        params = _perturbed(module.init(rng, x)["params"], rng)
+        got = np.asarray(module.apply({"params": params}, x), np.float64)
+        p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+        xn = np.asarray(x[0], np.float64)
+        q = np.einsum("td,dnh->tnh", xn, p["query"]["kernel"]) + p["query"]["bias"]
+        k = np.einsum("td,dnh->tnh", xn, p["key"]["kernel"]) + p["key"]["bias"]
+        v = np.einsum("td,dnh->tnh", xn, p["value"]["kernel"]) + p["value"]["bias"]
+        heads = np.zeros_like(v)
+        for n in range(2):
+            logits = np.zeros((3, 3))
+            for i in range(3):
+                for j in range(3):
+                    if score == "general":
+                        logits[i, j] = q[i, n] @ p["score_w"][n] @ k[j, n]
+                    else:
+                        logits[i, j] = p["score_v"][n] @ np.tanh(
+                            q[i, n] @ p["score_w_q"][n] + k[j, n] @ p["score_w_k"][n])
+            w = np.exp(logits - logits.max(-1, keepdims=True))
+            heads[:, n] = (w / w.sum(-1, keepdims=True)) @ v[:, n]
+        expected = np.einsum("tnh,nhf->tf", heads, p["out"]["kernel"]) + p["out"]["bias"]
+        np.testing.assert_allclose(got[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dot_score_is_unscaled(rng):
+    x = _x(rng, B, T, D)
+    params = nn.MultiHeadAttention(num_heads=N).init(rng, x)["params"]
+    dot = nn.MultiHeadAttention(num_heads=N, score="dot").apply({"params": params}, x)
+    expected = attnjax.multi_head_attention(params, x, scale=1.0)
+    np.testing.assert_allclose(dot, expected, rtol=1e-6)
+
+
+# --- models ----------------------------------------------------------------------------
+
+
+def _transformer(**kw):
+    return nn.TransformerConfig(src_vocab_size=11, tgt_vocab_size=13, d_model=16, num_heads=2,
+                                num_encoder_layers=2, num_decoder_layers=2, d_ff=24, max_len=20,
+                                **kw)
+
+
+def _tokens(rng, b, length, vocab):
+    return jax.random.randint(rng, (b, length), 1, vocab, jnp.int32)
+
+
+def test_sown_weights_have_a_shape_for_every_layer(rng):
+    model = nn.Transformer(_transformer())
+    src, tgt = _tokens(rng, B, S, 11), _tokens(jax.random.fold_in(rng, 1), B, T, 13)
+    params = model.init(rng, src, tgt)["params"]
+    _, state = model.apply({"params": params}, src, tgt, sow_weights=True,
+                           mutable=["intermediates"])
+    maps = nn.attention_maps(state["intermediates"])
+    expected = {f"encoder/layer_{i}/self": (B, 2, S, S) for i in range(2)}
+    expected |= {f"decoder/layer_{i}/self": (B, 2, T, T) for i in range(2)}
+    expected |= {f"decoder/layer_{i}/cross": (B, 2, T, S) for i in range(2)}
+    assert {k: v.shape for k, v in maps.items()} == expected
+
+
+def test_encoder_is_permutation_equivariant_without_positions(rng):
+    model = nn.Transformer(_transformer(positional="none", dropout_rate=0.0))
+    src = _tokens(rng, B, S, 11)
+    params = model.init(rng, src, src[:, :3])["params"]
+    encode = lambda s: model.apply({"params": params}, s, method=nn.Transformer.encode)  # noqa: E731
+    perm = jax.random.permutation(jax.random.fold_in(rng, 1), S)
+    np.testing.assert_allclose(encode(src[:, perm]), encode(src)[:, perm], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["transformer", "decoder_only"])
+def test_every_parameter_receives_a_gradient(rng, which):
+    if which == "transformer":
+        model = nn.Transformer(_transformer(share_embeddings=False, positional="learned",
+                                            num_kv_heads=1))
+        src, tgt = _tokens(rng, B, S, 11), _tokens(jax.random.fold_in(rng, 1), B, 20, 13)
+        args = (src, tgt)
+    else:
+        model = nn.DecoderOnly(nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2,
+                                                    d_ff=24, max_len=20, positional="learned"))
+        args = (_tokens(rng, B, 20, 13),)
+    params = model.init(rng, *args)["params"]
+
+    def loss(params):
+        logits = model.apply({"params": params}, *args, deterministic=False,
+                             rngs={"dropout": jax.random.key(1)})
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 1])
+
+    grads = jax.grad(loss)(params)
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    zero = [jax.tree_util.keystr(path) for path, g in flat if not jnp.any(g != 0)]
+    assert not zero, f"parameters without gradient: {zero}"
+
+
+def test_post_ln_and_pre_ln_differ_and_run(rng):
+    src, tgt = _tokens(rng, B, S, 11), _tokens(jax.random.fold_in(rng, 1), B, T, 13)
+    outs = []
+    for pre_ln in (True, False):
+        model = nn.Transformer(_transformer(pre_ln=pre_ln))
+        params = model.init(rng, src, tgt)["params"]
+        outs.append(model.apply({"params": params}, src, tgt))
+        chex.assert_shape(outs[-1], (B, T, 13))
+        chex.assert_tree_all_finite(outs[-1])
+    assert not np.allclose(outs[0], outs[1])
+
+
+def test_greedy_decode_matches_step_by_step_full_recomputation(rng):
+    config = _transformer(num_kv_heads=1)
+    model = nn.Transformer(config)
+    src = _tokens(rng, B, S, 11)
+    src_lengths = jnp.array([S, 4], jnp.int32)
+    params = _perturbed(model.init(rng, src, src[:, :3])["params"], rng, 0.5)
+    out = nn.greedy_decode(model, params, src, src_lengths, max_len=6, bos_id=1, eos_id=2)
+    chex.assert_shape(out, (B, 6))
+    # Without the cache: feed the whole prefix every step.
+    prefix = jnp.ones((B, 1), jnp.int32)
+    expected, done = [], np.zeros(B, bool)
+    for _ in range(6):
+        logits = model.apply({"params": params}, src, prefix, src_lengths)
+        token = np.asarray(jnp.argmax(logits[:, -1], -1))
+        token = np.where(done, 0, token)
+        done |= token == 2
+        expected.append(token)
+        prefix = jnp.concatenate([prefix, jnp.asarray(token, jnp.int32)[:, None]], axis=1)
+    np.testing.assert_array_equal(out, np.stack(expected, 1))
+
+
+def test_generate_greedy_matches_full_forward_and_sampling_uses_the_rng(rng):
+    config = nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2, num_kv_heads=1,
+                                  d_ff=24, max_len=20)
+    model = nn.DecoderOnly(config)
+    prompt = _tokens(rng, B, 4, 13)
+    params = _perturbed(model.init(rng, prompt)["params"], rng, 0.5)
+    out = nn.generate(model, params, prompt, max_new_tokens=5)
+    chex.assert_shape(out, (B, 9))
+    np.testing.assert_array_equal(out[:, :4], prompt)
+    for i in range(4, 9):
+        logits = model.apply({"params": params}, out[:, :i])
+        np.testing.assert_array_equal(out[:, i], jnp.argmax(logits[:, -1], -1))
+    a = nn.generate(model, params, prompt, max_new_tokens=5, temperature=1.0, rng=jax.random.key(1))
+    b = nn.generate(model, params, prompt, max_new_tokens=5, temperature=1.0, rng=jax.random.key(1))
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(d_model=10, num_heads=4), "d_model must be divisible by num_heads"),
+    (dict(num_kv_heads=3), "num_kv_heads must be a positive divisor of num_heads=4"),
+    (dict(dropout_rate=1.5), r"dropout_rate must lie in \[0, 1\); got 1.5"),
+    (dict(positional="rotary"), "positional must be one of"),
+    (dict(num_encoder_layers=0), "num_encoder_layers must be a positive int; got 0"),
+    (dict(share_embeddings=True), "share_embeddings needs src_vocab_size == tgt_vocab_size"),
+    (dict(activation="swish"), "activation must be one of"),
+])
+def test_config_errors(kwargs, message):
+    base = dict(src_vocab_size=11, tgt_vocab_size=13, num_heads=4)
+    with pytest.raises(ValueError, match=message):
+        nn.TransformerConfig(**(base | kwargs))

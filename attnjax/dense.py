@@ -22,7 +22,7 @@ def dense_attention(
     key_length: Int[ArrayLike, ""] | None,
     is_causal: bool,
     window: tuple[int, int] | None,
-    scale: float,
+    scale: float | None,
     dropout_rate: float,
     dropout_key: Array | None,
     return_weights: bool,

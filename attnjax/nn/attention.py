@@ -100,13 +100,17 @@ class MultiHeadAttention(nn.Module):
         key, value = multi_head.project_key_value(params, inputs_k, inputs_v)
 
         is_causal, window = self.is_causal, self.window
-        if self.decode and self.has_variable("cache", "cached_key"):
-            key, value, visible = self._append_to_cache(key, value)
-            mask = masks.combine_masks(mask, visible)
-            is_causal, window = False, None  # folded into `visible`
+        if self.decode:
+            cached = self._update_cache(key, value)
+            if cached is not None:  # not the sizing call of `init`
+                key, value, visible = cached
+                mask = masks.combine_masks(mask, visible)
+                is_causal, window = False, None  # folded into `visible`
 
-        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-        rate = 0.0 if deterministic else self.dropout_rate
+        rate = 0.0
+        if self.dropout_rate > 0.0 and not nn.merge_param(
+                "deterministic", self.deterministic, deterministic):
+            rate = self.dropout_rate
         if rate > 0.0 and dropout_rng is None:
             dropout_rng = self.make_rng("dropout")
         options = dict(
@@ -167,11 +171,15 @@ class MultiHeadAttention(nn.Module):
         }
         return scores.additive_score, {k: p.astype(dtype) for k, p in params.items()}
 
-    def _append_to_cache(self, key, value):
-        """Write the new keys/values at the cache index; the visibility of the cache."""
+    def _update_cache(self, key, value):
+        """Append the new keys/values at the cache index: the cached keys, values and
+        their visibility `[1, 1, T, S_cache]`; None on the call that creates the cache."""
+        initialised = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        if not initialised:
+            return None
         capacity, new = cached_key.value.shape[1], key.shape[1]
         start = index.value
         _check_room(start, new, capacity)
@@ -190,7 +198,6 @@ class MultiHeadAttention(nn.Module):
         if self.window is not None:
             left, right = _checks.resolve_window(self.window)
             visible = visible & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
-        # [1, 1, T, S_cache]
         return cached_key.value, cached_value.value, visible[None, None]
 
 

@@ -260,7 +260,7 @@ def _attention(
         query, key, value = query[None], key[None], value[None]
     _check_shapes(query, key, value, layouts, same_head_dim=score is None)
     b, t, n, h = query.shape
-    s, k = key.shape[1], key.shape[2]
+    s = key.shape[1]
 
     target = (b, n, t, s)
     bias_layout = "[N, T, S]" if unbatched else "[B, N, T, S]"

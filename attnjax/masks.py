@@ -10,7 +10,7 @@ import functools
 
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, ArrayLike, Bool, Int
+from jaxtyping import ArrayLike, Bool, Int
 
 from attnjax import _checks
 

@@ -11,7 +11,7 @@ Logits are accumulated in float32 (float64 for float64 inputs), whatever the inp
 """
 
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float
+from jaxtyping import ArrayLike, Float
 
 from attnjax import _checks
 

@@ -39,7 +39,7 @@ def _documented_args(fn):
 
 @pytest.mark.parametrize("fn", [
     attnjax.dot_product_attention, attnjax.attention, attnjax.attention_weights,
-    attnjax.multi_head_attention, attnjax.init_multi_head_attention,
+    attnjax.multi_head_attention, attnjax.init_multi_head_attention, attnjax.score_attention,
 ])
 def test_every_argument_is_documented(fn):
     documented = _documented_args(fn)

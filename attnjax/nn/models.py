@@ -42,56 +42,51 @@ def _check_config(config) -> None:
             raise ValueError(f"{name} must be one of {allowed}; got {getattr(config, name)!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """An encoder–decoder Transformer (separate source and target vocabularies)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    """What every attention block needs; the model configs add their own fields."""
 
-    src_vocab_size: int
-    tgt_vocab_size: int
     d_model: int = 128
     num_heads: int = 4
     num_kv_heads: int | None = None
-    num_encoder_layers: int = 2
-    num_decoder_layers: int = 2
     d_ff: int = 512
     max_len: int = 128
     dropout_rate: float = 0.1
     attention_dropout_rate: float = 0.0
     positional: str = "sinusoidal"
     pre_ln: bool = True
-    share_embeddings: bool = False
     activation: str = "relu"
     implementation: str | None = None
     dtype: str = "float32"
 
     def __post_init__(self):
         _check_config(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig(BlockConfig):
+    """An encoder–decoder Transformer (separate source and target vocabularies)."""
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    num_encoder_layers: int = 2
+    num_decoder_layers: int = 2
+    share_embeddings: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError("share_embeddings needs src_vocab_size == tgt_vocab_size; got "
                              f"{self.src_vocab_size} and {self.tgt_vocab_size}")
 
 
-@dataclasses.dataclass(frozen=True)
-class DecoderOnlyConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderOnlyConfig(BlockConfig):
     """A decoder-only language model."""
 
     vocab_size: int
-    d_model: int = 128
-    num_heads: int = 4
-    num_kv_heads: int | None = None
     num_layers: int = 2
-    d_ff: int = 512
     max_len: int = 256
-    dropout_rate: float = 0.1
-    attention_dropout_rate: float = 0.0
-    positional: str = "sinusoidal"
-    pre_ln: bool = True
-    activation: str = "relu"
-    implementation: str | None = None
-    dtype: str = "float32"
-
-    def __post_init__(self):
-        _check_config(self)
 
 
 def _attention(config, name: str, **kw) -> MultiHeadAttention:

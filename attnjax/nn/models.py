@@ -109,6 +109,13 @@ class _Residual(nn.Module):
         return nn.LayerNorm(name="ln")(x + drop(f(x), deterministic=deterministic))
 
 
+def _feed_forward(config, x, deterministic):
+    """Every block's last sublayer, created in the calling block's scope."""
+    ffn = FeedForward(config.d_ff, config.dropout_rate, config.activation, name="ffn")
+    return _Residual(config, name="ffn_residual")(
+        x, lambda h: ffn(h, deterministic=deterministic), deterministic=deterministic)
+
+
 class EncoderBlock(nn.Module):
     """Self-attention over the source, then the feed-forward network."""
 
@@ -121,10 +128,7 @@ class EncoderBlock(nn.Module):
             x, lambda h: attend(h, query_lengths=lengths, key_lengths=lengths,
                                 deterministic=deterministic, sow_weights=sow_weights),
             deterministic=deterministic)
-        ffn = FeedForward(self.config.d_ff, self.config.dropout_rate, self.config.activation,
-                          name="ffn")
-        return _Residual(self.config, name="ffn_residual")(
-            x, lambda h: ffn(h, deterministic=deterministic), deterministic=deterministic)
+        return _feed_forward(self.config, x, deterministic)
 
 
 class DecoderBlock(nn.Module):
@@ -146,10 +150,7 @@ class DecoderBlock(nn.Module):
                 x, lambda h: cross(h, memory, key_lengths=memory_lengths,
                                    deterministic=deterministic, sow_weights=sow_weights),
                 deterministic=deterministic)
-        ffn = FeedForward(self.config.d_ff, self.config.dropout_rate, self.config.activation,
-                          name="ffn")
-        return _Residual(self.config, name="ffn_residual")(
-            x, lambda h: ffn(h, deterministic=deterministic), deterministic=deterministic)
+        return _feed_forward(self.config, x, deterministic)
 
 
 class _Stack(nn.Module):

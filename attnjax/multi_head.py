@@ -59,6 +59,28 @@ def init_multi_head_attention(
       `{"query", "key", "value", "out"}`, each `{"kernel", "bias"}` (LeCun-normal
       kernels over the flattened fan-in, zero biases).
     """
+    shapes = projection_shapes(
+        in_features, num_heads, qkv_features=qkv_features, out_features=out_features,
+        num_kv_heads=num_kv_heads, kv_features=kv_features)
+    params = {}
+    for rng_i, (name, (fan_in, fan_out)) in zip(jax.random.split(rng, 4), shapes.items()):
+        params[name] = {"kernel": flat_fan_in_init(jax.nn.initializers.lecun_normal(), len(fan_in))(
+            rng_i, fan_in + fan_out, dtype)}
+        if use_bias:
+            params[name]["bias"] = jnp.zeros(fan_out, dtype)
+    return params
+
+
+def projection_shapes(
+    in_features: int,
+    num_heads: int,
+    *,
+    qkv_features: int | None = None,
+    out_features: int | None = None,
+    num_kv_heads: int | None = None,
+    kv_features: int | None = None,
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(fan-in axes, fan-out axes) of each projection kernel, the options validated."""
     in_features = _positive_int("in_features", in_features)
     num_heads = _positive_int("num_heads", num_heads)
     qkv_features = _positive_int("qkv_features", in_features if qkv_features is None else qkv_features)
@@ -76,21 +98,21 @@ def init_multi_head_attention(
             f"num_heads={num_heads}"
         )
     head_dim = qkv_features // num_heads
-    shapes = {
+    return {
         "query": ((in_features,), (num_heads, head_dim)),
         "key": ((kv_features,), (num_kv_heads, head_dim)),
         "value": ((kv_features,), (num_kv_heads, head_dim)),
         "out": ((num_heads, head_dim), (out_features,)),
     }
-    init = jax.nn.initializers.lecun_normal()
-    params = {}
-    for rng_i, (name, (fan_in_shape, out_shape)) in zip(jax.random.split(rng, 4), shapes.items()):
-        # flax's DenseGeneral initialises the flattened [fan_in, fan_out] matrix.
-        flat = init(rng_i, (math.prod(fan_in_shape), math.prod(out_shape)), dtype)
-        params[name] = {"kernel": flat.reshape(fan_in_shape + out_shape)}
-        if use_bias:
-            params[name]["bias"] = jnp.zeros(out_shape, dtype)
-    return params
+
+
+def flat_fan_in_init(init, fan_in_axes: int):
+    """Initialise the flattened [fan_in, fan_out] matrix, as flax's DenseGeneral does, so
+    variance-scaling initialisers see the true fan-in of a kernel with a head axis."""
+    def flat_init(key, shape, dtype):
+        fan_in, fan_out = math.prod(shape[:fan_in_axes]), math.prod(shape[fan_in_axes:])
+        return init(key, (fan_in, fan_out), dtype).reshape(shape)
+    return flat_init
 
 
 def _check_params(params, inputs_q, inputs_k, inputs_v) -> None:

@@ -20,14 +20,6 @@ from attnjax.attention import dot_product_attention, score_attention
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
 
-def _flat_fan_in(init: Callable, fan_in_axes: int) -> Callable:
-    """Initialise the flattened [fan_in, fan_out] matrix, as flax's DenseGeneral does."""
-    def flat_init(key, shape, dtype):
-        fan_in, fan_out = math.prod(shape[:fan_in_axes]), math.prod(shape[fan_in_axes:])
-        return init(key, (fan_in, fan_out), dtype).reshape(shape)
-    return flat_init
-
-
 class _Projection(nn.Module):
     """Holds one projection's {"kernel", "bias"}; the maths is in `attnjax.multi_head`."""
 
@@ -40,7 +32,7 @@ class _Projection(nn.Module):
 
     @nn.compact
     def __call__(self) -> dict:
-        init = _flat_fan_in(self.kernel_init, len(self.fan_in))
+        init = multi_head.flat_fan_in_init(self.kernel_init, len(self.fan_in))
         params = {"kernel": self.param("kernel", init, self.fan_in + self.fan_out, self.param_dtype)}
         if self.use_bias:
             params["bias"] = self.param("bias", self.bias_init, self.fan_out, self.param_dtype)
@@ -133,29 +125,18 @@ class MultiHeadAttention(nn.Module):
         return multi_head.combine_heads(params, heads)
 
     def _parameters(self, d_q: int, d_k: int, d_v: int):
-        features = self.qkv_features or d_q
-        num_kv_heads = self.num_kv_heads or self.num_heads
-        if features % self.num_heads:
-            raise ValueError(f"qkv_features must be divisible by num_heads; got "
-                             f"qkv_features={features}, num_heads={self.num_heads}")
-        if self.num_heads % num_kv_heads:
-            raise ValueError(f"num_kv_heads must divide num_heads; got "
-                             f"num_kv_heads={num_kv_heads}, num_heads={self.num_heads}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
-        h = features // self.num_heads
-        shapes = {
-            "query": ((d_q,), (self.num_heads, h)),
-            "key": ((d_k,), (num_kv_heads, h)),
-            "value": ((d_v,), (num_kv_heads, h)),
-            "out": ((self.num_heads, h), (self.out_features or d_q,)),
-        }
+        shapes = multi_head.projection_shapes(
+            d_q, self.num_heads, qkv_features=self.qkv_features, out_features=self.out_features,
+            num_kv_heads=self.num_kv_heads, kv_features=d_k)
+        shapes["value"] = ((d_v,), shapes["value"][1])  # inputs_v may be narrower or wider
         params = {
             name: _Projection(fan_in, fan_out, self.use_bias, self.kernel_init, self.bias_init,
                               self.param_dtype, name=name)()
             for name, (fan_in, fan_out) in shapes.items()
         }
-        return params, h
+        return params, shapes["query"][1][1]
 
     def _score_parameters(self, h: int, dtype):
         init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -189,15 +170,13 @@ class MultiHeadAttention(nn.Module):
         cached_value.value = lax.dynamic_update_slice(
             cached_value.value, value.astype(cached_value.value.dtype), (zero, start, zero, zero))
         index.value = start + new
-        # Query i of this call sits at cache position start + i.
+        # Query i of this call sits at cache position start + i; positions are absolute,
+        # so the rule is applied with T = S (no alignment offset) and the filled length.
         q_pos = start + lax.broadcasted_iota(jnp.int32, (new, 1), 0)
         k_pos = lax.broadcasted_iota(jnp.int32, (1, capacity), 1)
-        visible = k_pos < start + new
-        if self.is_causal:
-            visible = visible & (k_pos <= q_pos)
-        if self.window is not None:
-            left, right = _checks.resolve_window(self.window)
-            visible = visible & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+        visible = masks.visible(
+            q_pos, k_pos, num_queries=capacity, num_keys=capacity, is_causal=self.is_causal,
+            window=_checks.resolve_window(self.window), key_length=start + new)
         return cached_key.value, cached_value.value, visible[None, None]
 
 

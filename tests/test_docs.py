@@ -24,11 +24,15 @@ def test_readme_python_block_runs(index):
     exec(compile(_python_blocks()[index], f"README.md block {index}", "exec"), {})
 
 
-def test_readme_quick_start_is_the_ci_command():
+def test_readme_quick_start_trains_then_tests_as_ci_does():
     ci = (README.parent / ".ci" / "run").read_text()
     quick_start = re.search(r"## Quick start.*?```bash\n(.*?)\n```", README.read_text(), re.S)
     assert quick_start is not None
-    assert quick_start.group(1).strip() in ci
+    train, test = quick_start.group(1).strip().splitlines()
+    assert train == 'pip install -e ".[dev]" && python train_toy.py'
+    assert test == 'pip install -e ".[dev]" && pytest'
+    assert test in ci
+    assert (README.parent / "configs" / "copy.yaml").exists()   # train_toy.py's default
 
 
 def _documented_args(fn):

@@ -175,6 +175,11 @@ class _Stack(nn.Module):
         return nn.LayerNorm(name="ln_final")(x) if self.config.pre_ln else x
 
 
+def _embedding_init(config):
+    """N(0, 1/D): after the √D scaling, tokens and sinusoids have the same unit scale."""
+    return nn.initializers.normal(config.d_model ** -0.5)
+
+
 class _Embed(nn.Module):
     """Token embedding scaled by √D, then positions, then dropout."""
 
@@ -185,7 +190,7 @@ class _Embed(nn.Module):
     @nn.compact
     def __call__(self, tokens, *, deterministic=True, embed=None):
         embed = embed or nn.Embed(self.vocab_size, self.config.d_model,
-                                  embedding_init=nn.initializers.normal(1.0), name="tokens")
+                                  embedding_init=_embedding_init(self.config), name="tokens")
         # [B, L, D]
         x = embed(tokens) * jnp.sqrt(jnp.float32(self.config.d_model))
         x = PositionalEncoding(self.config.max_len, self.config.positional, self.decode,
@@ -209,7 +214,7 @@ class Transformer(nn.Module):
         self.src_embed = _Embed(c, c.src_vocab_size, name="src_embed")
         self.tgt_embed = _Embed(c, c.tgt_vocab_size, self.decode, name="tgt_embed")
         self.shared = (nn.Embed(c.src_vocab_size, c.d_model, name="shared_embedding",
-                                embedding_init=nn.initializers.normal(1.0))
+                                embedding_init=_embedding_init(c))
                        if c.share_embeddings else None)
         self.encoder = _Stack(c, c.num_encoder_layers, encoder=True, name="encoder")
         self.decoder = _Stack(c, c.num_decoder_layers, encoder=False, decode=self.decode,

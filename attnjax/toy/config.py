@@ -1,0 +1,188 @@
+"""The training configuration: frozen dataclasses read from YAML, with dotted overrides.
+
+A config file has the sections of `Config` (task, model, optim) and its top-level
+fields; `load_config(path, overrides)` reads it with `yaml.safe_load`, applies
+`key.sub=value` overrides, and checks every key and type. Any mistake is a
+`ConfigError` whose one-line message names the key and lists the valid ones.
+"""
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from attnjax.nn.models import BlockConfig
+from attnjax.toy.dates import DatesTask
+
+TASKS = ("copy", "reverse", "sort", "dates")
+SCHEDULES = ("cosine", "inverse_sqrt")
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """Which task, and for copy/reverse/sort the symbols and the source lengths."""
+
+    name: str = "copy"
+    num_symbols: int = 10
+    min_len: int = 1
+    max_len: int = 16
+    eval_size: int = 2000
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig(BlockConfig):
+    """The encoder–decoder's shape; vocabularies come from the task."""
+
+    num_encoder_layers: int = 2
+    num_decoder_layers: int = 2
+    max_len: int = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup, then cosine decay or the paper's inverse square root."""
+
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    end_learning_rate: float = 1e-5
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.98
+    clip_norm: float = 1.0
+    label_smoothing: float = 0.1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Everything a run needs; `config.yaml` in the workdir is this, resolved."""
+
+    task: TaskConfig = TaskConfig()
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    steps: int = 1000
+    batch_size: int = 128
+    log_every: int = 50
+    eval_every: int = 500
+    checkpoint_every: int = 250
+    keep_checkpoints: int = 3
+    eval_batch_size: int = 1000
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
+                     "keep_checkpoints", "eval_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive; got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) % self.log_every:
+                raise ConfigError(f"{name} must be a multiple of log_every={self.log_every} "
+                                  f"(metrics are logged over whole windows); got "
+                                  f"{getattr(self, name)}")
+        if self.task.name not in TASKS:
+            raise ConfigError(f"task.name must be one of {TASKS}; got {self.task.name!r}")
+        if not 1 <= self.task.min_len <= self.task.max_len:
+            raise ConfigError(f"task needs 1 <= min_len <= max_len; got min_len="
+                              f"{self.task.min_len}, max_len={self.task.max_len}")
+        longest = DatesTask.src_len if self.task.name == "dates" else self.task.max_len + 1
+        if self.model.max_len < longest:
+            raise ConfigError(f"model.max_len={self.model.max_len} must cover the task's longest "
+                              f"sequence ({longest} tokens with bos/eos); got task.max_len="
+                              f"{self.task.max_len}")
+        if self.optim.schedule not in SCHEDULES:
+            raise ConfigError(f"optim.schedule must be one of {SCHEDULES}; got "
+                              f"{self.optim.schedule!r}")
+        if not 0.0 <= self.optim.label_smoothing < 1.0:
+            raise ConfigError(f"optim.label_smoothing must lie in [0, 1); got "
+                              f"{self.optim.label_smoothing}")
+
+
+def _check_type(value, kind, key: str):
+    """`value` as the field type `kind` (int, float, bool, str or an optional of one)."""
+    allowed = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    if value is None and type(None) in allowed:
+        return None
+    for t in allowed:
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is float and isinstance(value, str):
+            try:  # YAML 1.1 reads 1e-3 (no dot) as a string
+                return float(value)
+            except ValueError:
+                pass
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t in (bool, str) and isinstance(value, t):
+            return value
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"{key} must be {names}; got {value!r}")
+
+
+def _build(cls, data, prefix: str = ""):
+    """`cls(**data)`, recursing into nested dataclasses, with every key and type checked."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping; got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]}; valid keys"
+                          f"{' of ' + prefix.rstrip('.') if prefix else ''} are "
+                          f"{', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in data.items():
+        kind = fields[name].type
+        if dataclasses.is_dataclass(kind):
+            kwargs[name] = _build(kind, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_type(value, kind, prefix + name)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Sets `key.sub=value` in the nested dict `data`; the value is read as YAML."""
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects key.sub=value; got {override!r}")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {override!r}: the value is not YAML ({e.problem})") from None
+    *parents, leaf = key.strip().split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {override!r}: {part} is not a section")
+    node[leaf] = value
+
+
+def load_config(path: str | Path | None = None, overrides=()) -> Config:
+    """Reads a YAML config (defaults when path is None) and applies the overrides."""
+    data = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {path} is not valid YAML: "
+                              f"{str(e).splitlines()[0]}") from None
+    for override in overrides:
+        apply_override(data, override)
+    return _build(Config, data)
+
+
+def dump_config(config: Config) -> str:
+    """The resolved config as YAML; `load_config` reads it back to an equal Config."""
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)

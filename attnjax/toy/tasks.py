@@ -1,0 +1,144 @@
+"""Toy sequence-to-sequence tasks, generated on the fly: copy, reverse, sort, dates.
+
+Every task makes fixed-shape batches of token ids (pad 0, bos 1, eos 2) from a NumPy
+generator, so the batch of step s is a function of (seed, s) alone. Each example is
+either held out or not by a hash of its content (its source symbols, or for dates the
+day itself), and training batches never contain a held-out example: the held-out set is
+disjoint from everything training can see, not only drawn from another seed.
+
+The one exception is short sequences, too few to split: with 10 symbols there are only
+10 sources of length 1, and holding one out would test a pattern no example of its
+length ever showed. Sources with fewer than `MIN_SPLIT` possible sequences of their
+length are shared by training and the held-out set.
+"""
+
+import dataclasses
+import typing
+
+import numpy as np
+
+PAD, BOS, EOS = 0, 1, 2
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+HELD_OUT_ONE_IN = 10
+MIN_SPLIT = 1000
+_SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """Token ids 0, 1, 2 are pad, bos, eos; the symbols follow in order."""
+
+    symbols: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(SPECIALS) + len(self.symbols)
+
+    def token(self, i: int) -> str:
+        return (SPECIALS + self.symbols)[i]
+
+    def encode(self, text) -> list[int]:
+        index = {s: i + len(SPECIALS) for i, s in enumerate(self.symbols)}
+        return [index[s] for s in text]
+
+    def decode(self, ids, *, join: str = "") -> str:
+        """Symbols up to the first eos; pad and bos are dropped."""
+        out = []
+        for i in ids:
+            if i == EOS:
+                break
+            if i >= len(SPECIALS):
+                out.append(self.symbols[i - len(SPECIALS)])
+        return join.join(out)
+
+
+class Batch(typing.NamedTuple):
+    """One batch of examples, padded to the task's fixed lengths.
+
+    src `[B, S]` symbols then pad; src_lengths `[B]`; tgt_in `[B, T]` is bos + target
+    (teacher forcing); tgt_out `[B, T]` is target + eos, pad after: the labels.
+    A NamedTuple, so a pytree that jit takes as it is.
+    """
+
+    src: np.ndarray
+    src_lengths: np.ndarray
+    tgt_in: np.ndarray
+    tgt_out: np.ndarray
+
+
+def held_out(keys: np.ndarray) -> np.ndarray:
+    """`[B]` bool: whether each example, identified by a uint64 key, is held out."""
+    mixed = (keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
+    return mixed % np.uint64(HELD_OUT_ONE_IN) == 0
+
+
+def make_batch(sources: list[list[int]], targets: list[list[int]], src_len: int,
+               tgt_len: int) -> Batch:
+    """Pads token lists to `[B, src_len]` and `[B, tgt_len + 1]` (room for bos/eos)."""
+    b = len(sources)
+    src = np.full((b, src_len), PAD, np.int32)
+    tgt_in = np.full((b, tgt_len + 1), PAD, np.int32)
+    tgt_out = np.full((b, tgt_len + 1), PAD, np.int32)
+    for i, (s, t) in enumerate(zip(sources, targets)):
+        src[i, : len(s)] = s
+        tgt_in[i, : len(t) + 1] = [BOS] + t
+        tgt_out[i, : len(t) + 1] = t + [EOS]
+    lengths = np.array([len(s) for s in sources], np.int32)
+    return Batch(src, lengths, tgt_in, tgt_out)
+
+
+class SequenceTask:
+    """copy (target = source), reverse, or sort a sequence of random symbols.
+
+    Sources have min_len..max_len symbols drawn uniformly from num_symbols; source and
+    target share one vocabulary.
+    """
+
+    def __init__(self, name: str, num_symbols: int, min_len: int, max_len: int):
+        if name not in ("copy", "reverse", "sort"):
+            raise ValueError(f"name must be copy, reverse or sort; got {name!r}")
+        if not 2 <= num_symbols <= len(_SYMBOLS):
+            raise ValueError(f"num_symbols must lie in [2, {len(_SYMBOLS)}]; got {num_symbols}")
+        self.name, self.min_len, self.max_len = name, min_len, max_len
+        self.src_vocab = self.tgt_vocab = Vocab(tuple(_SYMBOLS[:num_symbols]))
+        self.src_len, self.tgt_len = max_len, max_len
+        # the shortest source length with at least MIN_SPLIT sequences: split from there on
+        self.split_len = next(n for n in range(1, 64) if num_symbols ** n >= MIN_SPLIT)
+
+    def target(self, source: np.ndarray) -> np.ndarray:
+        if self.name == "reverse":
+            return source[::-1]
+        if self.name == "sort":
+            return np.sort(source)
+        return source
+
+    def _keys(self, symbols: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """`[B]` uint64 identity of each source (wrapping arithmetic: a hash)."""
+        base = np.uint64(len(self.src_vocab.symbols) + 1)
+        keys = lengths.astype(np.uint64)
+        for j in range(self.max_len):
+            keys = keys * base + np.where(j < lengths, symbols[:, j] + 1, 0).astype(np.uint64)
+        return keys
+
+    def _draw(self, rng: np.random.Generator, size: int):
+        lengths = rng.integers(self.min_len, self.max_len + 1, size)
+        symbols = rng.integers(0, len(self.src_vocab.symbols), (size, self.max_len))
+        return symbols, lengths
+
+    def sample(self, rng: np.random.Generator, size: int, *, held: bool = False) -> Batch:
+        """size examples from the held-out part (held=True) or from the rest."""
+        chosen_symbols, chosen_lengths = [], []
+        count = 0
+        while count < size:
+            symbols, lengths = self._draw(rng, max(size, 64) * (HELD_OUT_ONE_IN if held else 2))
+            keep = (held_out(self._keys(symbols, lengths)) == held) | (lengths < self.split_len)
+            chosen_symbols.append(symbols[keep])
+            chosen_lengths.append(lengths[keep])
+            count += int(keep.sum())
+        symbols = np.concatenate(chosen_symbols)[:size]
+        lengths = np.concatenate(chosen_lengths)[:size]
+        offset = len(SPECIALS)
+        sources = [list(symbols[i, : lengths[i]] + offset) for i in range(size)]
+        targets = [list(self.target(np.array(s))) for s in sources]
+        return make_batch(sources, targets, self.src_len, self.tgt_len)
+

@@ -1,0 +1,147 @@
+"""Model, optimiser, the jit-compiled train step, and greedy evaluation.
+
+Everything random is a function of the seed and the step: the batch of step s comes
+from `np.random.default_rng([seed, 0, s])` and its dropout key is
+`fold_in(dropout_key(seed), s)`, so a run resumed from a checkpoint continues exactly as an
+uninterrupted one.
+"""
+
+import dataclasses
+import functools
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from attnjax.nn import Transformer, TransformerConfig, greedy_decode
+from attnjax.toy.tasks import BOS, EOS, PAD, Batch
+
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+
+
+def init_key(seed: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), 0)
+
+
+def dropout_key(seed: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), 1)
+
+
+@flax.struct.dataclass
+class TrainState:
+    """What a checkpoint holds: the step, the parameters and the optimiser state."""
+
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+
+
+def make_model(config, task) -> Transformer:
+    """The encoder–decoder for `config.model`, sized for the task's vocabularies."""
+    fields = dataclasses.asdict(config.model)
+    return Transformer(TransformerConfig(**fields, src_vocab_size=task.src_vocab.size,
+                                         tgt_vocab_size=task.tgt_vocab.size))
+
+
+def learning_rate_schedule(optim, steps: int) -> optax.Schedule:
+    """Linear warmup to learning_rate, then cosine decay to end_learning_rate at the
+    last step, or the 2017 paper's inverse square root (peak at the end of warmup)."""
+    warmup = max(optim.warmup_steps, 1)
+    if optim.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, optim.learning_rate, warmup, max(steps, warmup + 1), optim.end_learning_rate)
+
+    def inverse_sqrt(step):
+        step = jnp.maximum(step, 1).astype(jnp.float32)
+        return optim.learning_rate * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
+
+    return inverse_sqrt
+
+
+def make_optimizer(optim, steps: int) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on the schedule."""
+    return optax.chain(
+        optax.clip_by_global_norm(optim.clip_norm),
+        optax.adamw(learning_rate_schedule(optim, steps), b1=optim.b1, b2=optim.b2,
+                    weight_decay=optim.weight_decay))
+
+
+def example_batch(task, size: int) -> Batch:
+    """A batch of the task's shapes, for initialisation and tracing."""
+    return task.sample(np.random.default_rng(0), size)
+
+
+def init_state(model: Transformer, optimizer, task, seed: int) -> TrainState:
+    """Fresh parameters from `key(seed)` and a zero optimiser state."""
+    batch = example_batch(task, 2)
+    params = jax.jit(model.init)(init_key(seed), batch.src,
+                                 batch.tgt_in, batch.src_lengths)["params"]
+    return TrainState(jnp.int32(0), params, optimizer.init(params))
+
+
+def loss_and_metrics(params, batch: Batch, model: Transformer, label_smoothing: float,
+                     rng=None):
+    """Label-smoothed cross-entropy averaged over the target tokens (pad excluded);
+    dropout when an rng is given."""
+    deterministic = rng is None
+    # [B, T, V]
+    logits = model.apply({"params": params}, batch.src, batch.tgt_in, batch.src_lengths,
+                         deterministic=deterministic,
+                         rngs=None if deterministic else {"dropout": rng})
+    # [B, T]
+    weights = (batch.tgt_out != PAD).astype(jnp.float32)
+    labels = optax.smooth_labels(jax.nn.one_hot(batch.tgt_out, logits.shape[-1]),
+                                 label_smoothing)
+    tokens = weights.sum()
+    loss = (optax.softmax_cross_entropy(logits, labels) * weights).sum() / tokens
+    correct = ((jnp.argmax(logits, -1) == batch.tgt_out) * weights).sum()
+    return loss, {"loss": loss, "accuracy": correct / tokens, "tokens": tokens}
+
+
+def make_train_step(model: Transformer, optimizer, optim, steps: int, seed: int):
+    """`(state, batch) -> (state, metrics)`, jit-compiled with the state donated."""
+    schedule = learning_rate_schedule(optim, steps)
+    grad_fn = jax.grad(loss_and_metrics, has_aux=True)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state: TrainState, batch: Batch):
+        key = jax.random.fold_in(dropout_key(seed), state.step)
+        grads, metrics = grad_fn(state.params, batch, model, optim.label_smoothing, key)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics["learning_rate"] = schedule(state.step)
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return train_step
+
+
+def eval_set(task, config) -> Batch:
+    """The held-out set: config.task.eval_size examples from the held-out part."""
+    return task.sample(np.random.default_rng([config.seed, EVAL_STREAM]), config.task.eval_size,
+                       held=True)
+
+
+def train_batch(task, config, step: int) -> Batch:
+    """The training batch of `step`: a function of (seed, step) alone."""
+    return task.sample(np.random.default_rng([config.seed, TRAIN_STREAM, step]),
+                       config.batch_size)
+
+
+def predict(model: Transformer, params, batch: Batch, batch_size: int) -> np.ndarray:
+    """Greedy decoding with the KV cache, in chunks: `[B, T]` tokens, eos then pad."""
+    chunks = np.array_split(np.arange(len(batch.src)), -(-len(batch.src) // batch_size))
+    max_len = batch.tgt_out.shape[1]
+    return np.concatenate([
+        np.asarray(greedy_decode(model, params, batch.src[c], batch.src_lengths[c],
+                                 max_len=max_len, bos_id=BOS, eos_id=EOS, pad_id=PAD))
+        for c in chunks])
+
+
+def accuracies(predictions: np.ndarray, targets: np.ndarray) -> dict:
+    """Token accuracy over the target tokens (eos included) and exact-match accuracy."""
+    valid = targets != PAD
+    right = (predictions == targets) & valid
+    return {"token_accuracy": float(right.sum() / valid.sum()),
+            "exact_match": float(np.mean(right.sum(1) == valid.sum(1)))}

@@ -1,0 +1,167 @@
+"""Training end to end on a tiny config: the loss falls, outputs are written, runs are
+reproducible, a killed or interrupted run resumes to the uninterrupted metrics, NaN stops
+the run, and the command line exits 2 on a bad config."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from attnjax.toy import cli
+from attnjax.toy.config import dump_config, load_config
+from attnjax.toy.report import TIMING_KEYS, Progress
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["task.num_symbols=5", "task.min_len=1", "task.max_len=6", "task.eval_size=200",
+        "model.d_model=32", "model.num_heads=2", "model.d_ff=64", "model.num_encoder_layers=1",
+        "model.num_decoder_layers=1", "model.max_len=16", "optim.warmup_steps=10",
+        "steps=60", "batch_size=32", "log_every=10", "eval_every=30", "checkpoint_every=10",
+        "eval_batch_size=100"]
+
+
+def tiny(*overrides):
+    return load_config(ROOT / "configs" / "copy.yaml", TINY + list(overrides))
+
+
+@pytest.fixture
+def float32():
+    """Training runs as a user runs it: float32 and standard dtype promotion."""
+    with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+def _records(workdir: Path) -> list[dict]:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+
+
+def test_tiny_run_learns_and_writes_every_output(tmp_path, float32):
+    config = tiny()
+    summary = cli.run(config, tmp_path / "run", interactive=False)
+    workdir = tmp_path / "run"
+    records = _records(workdir)
+    logs = [r for r in records if "loss" in r]
+    evals = [r for r in records if any("exact" in k for k in r)]
+    assert [r["step"] for r in logs] == list(range(10, 61, 10))
+    assert [r["step"] for r in evals] == [30, 60]
+    assert logs[-1]["loss"] < 0.6 * logs[0]["loss"]
+    assert logs[-1]["accuracy"] > logs[0]["accuracy"]
+    assert summary["exact_match"] == evals[-1]["eval_exact_match"]
+    assert 0.0 <= summary["exact_match"] <= summary["token_accuracy"] <= 1.0
+    assert load_config(workdir / "config.yaml") == config
+    samples = (workdir / "samples.txt").read_text()
+    assert samples.count("source:") == 20 and "prediction:" in samples and "target:" in samples
+    for png in ("attention.png", "curves.png"):
+        assert (workdir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-3:] == [40, 50, 60]
+    best = summary["best"]["step"]
+    assert best in steps   # the best checkpoint is kept besides the latest three
+
+
+def test_same_seed_same_metrics_other_seed_other_metrics(tmp_path, float32):
+    config = tiny("steps=20", "eval_every=20")
+    cli.run(config, tmp_path / "a", interactive=False)
+    cli.run(config, tmp_path / "b", interactive=False)
+    cli.run(tiny("steps=20", "eval_every=20", "seed=1"), tmp_path / "c", interactive=False)
+    assert _records(tmp_path / "a") == _records(tmp_path / "b")
+    assert _records(tmp_path / "a") != _records(tmp_path / "c")
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, float32):
+    config = tiny("optim.learning_rate=1e30", "optim.clip_norm=1e30", "optim.warmup_steps=1")
+    with pytest.raises(cli.TrainingDiverged, match=r"the loss is (nan|inf) at step \d+; training "
+                                                   r"stopped. Last good checkpoint: "):
+        cli.run(config, tmp_path / "run", interactive=False)
+    records = _records(tmp_path / "run")
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+
+
+def _cli(workdir: Path, *args: str) -> list[str]:
+    overrides = [arg for o in TINY + ["steps=400", "eval_every=200", "checkpoint_every=20"]
+                 for arg in ("--set", o)]
+    return [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(workdir), *overrides,
+            *args]
+
+
+def _wait_for_checkpoint(workdir: Path, process, step: int, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while not (workdir / "checkpoints" / str(step)).exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.02)
+
+
+def _latest(workdir: Path) -> int:
+    return max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_killed_or_interrupted_run_resumes_to_the_uninterrupted_metrics(tmp_path, sig):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    whole = subprocess.Popen(_cli(tmp_path / "whole"), env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    cut = subprocess.Popen(_cli(tmp_path / "cut"), env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_checkpoint(tmp_path / "cut", cut, 40)
+        cut.send_signal(sig)
+        output, _ = cut.communicate(timeout=120)
+        assert cut.returncode == (-9 if sig == signal.SIGKILL else 130), output
+        assert 40 <= _latest(tmp_path / "cut") < 400
+        if sig == signal.SIGINT:
+            assert "rerun the same command to resume" in output
+        resumed = subprocess.run(_cli(tmp_path / "cut"), env=env, capture_output=True,
+                                 text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr
+        assert "resuming" in resumed.stdout
+        output, _ = whole.communicate(timeout=300)
+        assert whole.returncode == 0, output
+    finally:
+        for process in (whole, cut):
+            process.kill()
+    assert _records(tmp_path / "cut") == _records(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "optim.lr=1"], "error: unknown key optim.lr; valid keys of optim are "),
+    (["--config", "configs/none.yaml"], "error: cannot read config configs/none.yaml"),
+    (["--set", "steps=-3"], "error: steps must be positive; got -3"),
+    (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+])
+def test_cli_bad_config_exits_2_with_one_line(tmp_path, args, message):
+    result = subprocess.run([sys.executable, str(ROOT / "train_toy.py"), "--workdir",
+                             str(tmp_path / "w"), *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    if "argument" not in message:
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_workdir_of_another_config_is_refused(tmp_path, float32):
+    config = tiny("steps=10", "eval_every=10")
+    cli.run(config, tmp_path / "run", interactive=False)
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["steps"] == 10
+    with pytest.raises(cli.ConfigError, match="holds a run with another config \\(it differs "
+                                              "in optim.learning_rate\\)"):
+        cli.run(tiny("steps=10", "eval_every=10", "optim.learning_rate=0.1"), tmp_path / "run")
+    assert dump_config(config) == (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_plain_progress_lines(capsys):
+    progress = Progress(total=100, initial=0, interactive=False)
+    progress.log({"step": 50, "loss": 1.25, "accuracy": 0.5, "learning_rate": 1e-3,
+                  "tokens_per_s": 1234.4})
+    progress.message("done")
+    assert capsys.readouterr().out == ("step 50/100  loss 1.2500  accuracy 0.5000  lr 1.00e-03  "
+                                       "1234 tokens/s\ndone\n")

@@ -9,6 +9,8 @@ Layers, each built on the ones before it:
   cudnn        delegation to jax.nn's cuDNN kernel on a GPU
   attention    dot_product_attention on [B, T, N, H], vmapped over heads and batch
   multi_head   init_multi_head_attention / multi_head_attention (flax's parameter tree)
+
+Flax modules live in `attnjax.nn`; toy tasks, training and the CLI in `attnjax.toy`.
 """
 
 from attnjax.attention import IMPLEMENTATIONS, dot_product_attention, score_attention

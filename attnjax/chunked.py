@@ -384,3 +384,38 @@ def chunked_attention(
         key_length = key_length.astype(jnp.int32)
     out = _attention_fn(plan)(q, k, v, bias, mask, query_length, key_length, dropout_key)
     return out[:t], None
+
+
+def _plain_plan(q, k, is_causal: bool, scale: float):
+    """Plan and blocks of unmasked (or plainly causal) attention, for the ring's blocks."""
+    t, s = q.shape[0], k.shape[0]
+    block_q, block_k = block_sizes(t, s, None, None)
+    plan = _Plan(t, s, block_q, block_k, is_causal, None, scale, 0.0)
+    return plan, _Blocks(plan, None, None, None, None, None)
+
+
+def forward_with_lse(q: Float[Array, "T H"], k: Float[Array, "S H"], v: Float[Array, "S V"], *,
+                     is_causal: bool, scale: float) -> tuple[Float[Array, "T V"], Float[Array, "T"]]:
+    """Output and float32 log-sum-exp `[T]` (−inf where no key is visible) of one head
+    with no mask, bias, lengths or dropout. Not differentiable: its pair
+    `backward_with_lse` is, given the output and log-sum-exp of the whole row."""
+    plan, blocks = _plain_plan(q, k, is_causal, scale)
+    tq, sk = plan.num_q_blocks * plan.block_q, plan.num_k_blocks * plan.block_k
+    q = _pad_to(q * jnp.asarray(scale, q.dtype), tq, 0)
+    out, lse = _forward(plan, q, _pad_to(k, sk, 0), _pad_to(v, sk, 0), blocks)
+    return out[: plan.t], lse[: plan.t]
+
+
+def backward_with_lse(q, k, v, out, lse, d_out, *, is_causal: bool, scale: float):
+    """float32 `(d_q, d_k, d_v)` of this block's share of a row's attention.
+
+    out, lse and d_out are of the whole row (every key block together): the block's
+    weights are exp(logits − lse), so the blocks' gradients add up to the row's.
+    """
+    plan, blocks = _plain_plan(q, k, is_causal, scale)
+    tq, sk = plan.num_q_blocks * plan.block_q, plan.num_k_blocks * plan.block_k
+    pad_q = functools.partial(_pad_to, size=tq, axis=0)
+    d_q, d_k, d_v, _ = _backward(
+        plan, pad_q(q * jnp.asarray(scale, q.dtype)), _pad_to(k, sk, 0), _pad_to(v, sk, 0),
+        blocks, pad_q(out), pad_q(lse), pad_q(d_out))
+    return d_q[: plan.t] * scale, d_k[: plan.s], d_v[: plan.s]

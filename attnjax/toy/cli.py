@@ -2,6 +2,8 @@
 
     python train_toy.py                                  # configs/copy.yaml -> runs/copy
     python train_toy.py --config configs/dates.yaml --set optim.learning_rate=1e-3
+    python train_toy.py --mesh data=2,model=2            # 4 devices: data and heads split
+    python train_toy.py --coordinator 127.0.0.1:1234 --num-processes 2 --process-id 0
 
 Rerunning the same command in the same workdir resumes from the latest checkpoint and
 ends with the metrics an uninterrupted run has. Exit status: 0 done, 1 the loss became
@@ -11,6 +13,7 @@ NaN/inf, 2 a bad config or command line, 130 interrupted (after saving a checkpo
 import argparse
 import dataclasses
 import math
+import os
 import signal
 import sys
 import threading
@@ -20,8 +23,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import yaml
+from jax.experimental import multihost_utils
 
 from attnjax.nn import attention_maps
+from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import make_task
 from attnjax.toy import train as training
 from attnjax.toy.checkpoints import Checkpoints
@@ -114,9 +119,16 @@ class _StopRequests:
             signal.signal(sig, handler)
 
 
-def _evaluate(model, params, task, eval_batch, config, step: int):
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers (other processes) see the old file or the new one, never half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _evaluate(model, params, task, eval_batch, config, step: int, mesh):
     start = time.perf_counter()
-    predictions = training.predict(model, params, eval_batch, config.eval_batch_size)
+    predictions = training.predict(model, params, eval_batch, config.eval_batch_size, mesh)
     scores = training.accuracies(predictions, eval_batch.tgt_out)
     record = {"step": step, "eval_token_accuracy": scores["token_accuracy"],
               "eval_exact_match": scores["exact_match"], "eval_s": time.perf_counter() - start}
@@ -129,6 +141,7 @@ def _plot_attention(path: Path, model, params, task, eval_batch, predictions) ->
     predicted = list(predictions[0])
     predicted = predicted[: predicted.index(EOS) + 1] if EOS in predicted else predicted
     tgt_in = np.array([[BOS] + predicted[:-1]], np.int32)
+    params = multihost_utils.process_allgather(params, tiled=True)  # whole, on this host
     _, state = model.apply({"params": params}, eval_batch.src[:1, :length], tgt_in,
                            eval_batch.src_lengths[:1], sow_weights=True, mutable=["intermediates"])
     src_tokens = [task.src_vocab.token(int(t)) for t in eval_batch.src[0, :length]]
@@ -136,31 +149,45 @@ def _plot_attention(path: Path, model, params, task, eval_batch, predictions) ->
     plot_attention(path, attention_maps(state["intermediates"]), src_tokens, tgt_tokens)
 
 
-def run(config: Config, workdir: Path, *, interactive: bool | None = None) -> dict:
-    """Trains (or resumes) a run in workdir and writes its outputs; returns the summary."""
+def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = None) -> dict:
+    """Trains (or resumes) a run in workdir and writes its outputs; returns the summary.
+
+    mesh: a ("data", "model") mesh (`attnjax.parallel.mesh.make_mesh`); default every
+    device on "data". With several processes, all run this; process 0 writes the files
+    and shows progress, and all write the checkpoints together.
+    """
     began = time.perf_counter()
     workdir = Path(workdir)
+    mesh = mesh_lib.make_mesh() if mesh is None else mesh
+    if config.batch_size % mesh.shape["data"]:
+        raise ConfigError(f"batch_size={config.batch_size} must be divisible by the mesh's "
+                          f"data axis ({mesh.shape['data']} devices)")
+    primary = jax.process_index() == 0
     _check_workdir_config(workdir, config)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.yaml").write_text(dump_config(config))
+    if primary:
+        _write_atomically(workdir / "config.yaml", dump_config(config))
 
     task = make_task(config.task)
     model = training.make_model(config, task)
     optimizer = training.make_optimizer(config.optim, config.steps)
+    try:
+        state = training.init_state(model, optimizer, task, config.seed, mesh)
+    except ValueError as e:  # a model that the mesh cannot split
+        raise ConfigError(str(e)) from None
     train_step = training.make_train_step(model, optimizer, config.optim, config.steps,
-                                          config.seed)
+                                          config.seed, state, mesh)
     eval_batch = training.eval_set(task, config)
-    state = training.init_state(model, optimizer, task, config.seed)
 
     checkpoints = Checkpoints(workdir / "checkpoints", config.keep_checkpoints)
     restored = checkpoints.restore_latest(state)
     start, saved = (0, {}) if restored is None else (restored[0], restored[2])
     if restored is not None:
         state = restored[1]
-    metrics = MetricsLog(workdir / "metrics.jsonl", start)
+    metrics = MetricsLog(workdir / "metrics.jsonl", start, enabled=primary)
     window = _Window(saved.get("window", []))
     best = saved.get("best", {"exact_match": -1.0, "step": None})
-    progress = Progress(config.steps, start, interactive)
+    progress = Progress(config.steps, start, interactive, enabled=primary)
     if start:
         progress.message(f"resuming {workdir} from step {start}")
 
@@ -168,8 +195,8 @@ def run(config: Config, workdir: Path, *, interactive: bool | None = None) -> di
     try:
         with _StopRequests() as stop:
             for step in range(start + 1, config.steps + 1):
-                state, step_metrics = train_step(state, training.train_batch(task, config,
-                                                                             step - 1))
+                state, step_metrics = train_step(
+                    state, training.train_batch(task, config, step - 1, mesh))
                 window.add(step_metrics)
                 progress.advance()
                 last = step == config.steps
@@ -181,9 +208,10 @@ def run(config: Config, workdir: Path, *, interactive: bool | None = None) -> di
                 evaluate = step % config.eval_every == 0 or last
                 if evaluate:
                     eval_record, predictions = _evaluate(model, state.params, task, eval_batch,
-                                                         config, step)
+                                                         config, step, mesh)
                     metrics.write(eval_record)
-                    write_samples(workdir / "samples.txt", task, eval_batch, predictions)
+                    if primary:
+                        write_samples(workdir / "samples.txt", task, eval_batch, predictions)
                     progress.message(
                         f"step {step}: held-out exact match "
                         f"{eval_record['eval_exact_match']:.4f}, token accuracy "
@@ -209,10 +237,12 @@ def run(config: Config, workdir: Path, *, interactive: bool | None = None) -> di
 
     if eval_record is None:  # the run had already finished: evaluate for the summary
         eval_record, predictions = _evaluate(model, state.params, task, eval_batch, config,
-                                             config.steps)
+                                             config.steps, mesh)
+    if primary:
         write_samples(workdir / "samples.txt", task, eval_batch, predictions)
-    plot_curves(workdir / "curves.png", metrics.records)
-    _plot_attention(workdir / "attention.png", model, state.params, task, eval_batch, predictions)
+        plot_curves(workdir / "curves.png", metrics.records)
+        _plot_attention(workdir / "attention.png", model, state.params, task, eval_batch,
+                        predictions)
     return {"task": config.task.name, "steps": config.steps,
             "exact_match": eval_record["eval_exact_match"],
             "token_accuracy": eval_record["eval_token_accuracy"],
@@ -231,7 +261,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where outputs and checkpoints go (default runs/<task>)")
     parser.add_argument("--seed", type=int, default=None, help="overrides the config's seed")
+    parser.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
+                        help="device mesh over data and model, e.g. data=2,model=2 (default: "
+                        "every device on data); results match a one-device run")
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="several processes: process 0's address (jax.distributed)")
+    parser.add_argument("--num-processes", type=int, default=None)
+    parser.add_argument("--process-id", type=int, default=None)
     return parser
+
+
+def _initialize_distributed(args) -> None:
+    """jax.distributed for several processes (CPU collectives over gloo); also when
+    only JAX's own environment variables name the coordinator."""
+    given = [args.coordinator, args.num_processes, args.process_id]
+    if all(x is None for x in given) and "JAX_COORDINATOR_ADDRESS" not in os.environ:
+        return
+    if any(x is None for x in given) and not all(x is None for x in given):
+        raise ConfigError("--coordinator, --num-processes and --process-id go together")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 
 def _default_config() -> Path:
@@ -247,7 +296,13 @@ def main(argv=None) -> int:
     try:
         config = load_config(args.config or _default_config(), overrides)
         workdir = args.workdir or Path("runs") / config.task.name
-        summary = run(config, workdir)
+        _initialize_distributed(args)
+        try:
+            mesh = mesh_lib.make_mesh(None if args.mesh is None else
+                                      mesh_lib.parse_mesh(args.mesh))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        summary = run(config, workdir, mesh=mesh)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -258,6 +313,8 @@ def main(argv=None) -> int:
         print("interrupted; the last step is checkpointed: rerun the same command to resume",
               file=sys.stderr)
         return 130
+    if jax.process_index():
+        return 0
     print(f"{summary['task']}: held-out exact match {summary['exact_match']:.2%} and token "
           f"accuracy {summary['token_accuracy']:.2%} on {summary['eval_size']} sequences after "
           f"{summary['steps']} steps ({summary['seconds']:.1f} s); best exact match "

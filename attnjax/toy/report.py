@@ -18,9 +18,12 @@ class MetricsLog:
     after the checkpoint the run resumes from) and a torn last line of a killed process.
     """
 
-    def __init__(self, path: Path, resume_step: int):
+    def __init__(self, path: Path, resume_step: int, *, enabled: bool = True):
         self.path = Path(path)
         self.records = []
+        self._file = None
+        if not enabled:  # another process writes the file
+            return
         if self.path.exists():
             for line in self.path.read_text().splitlines():
                 try:
@@ -37,21 +40,24 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 class Progress:
     """A tqdm bar with loss, accuracy and tokens/s on a terminal; plain lines otherwise."""
 
-    def __init__(self, total: int, initial: int, interactive: bool | None = None):
-        self.total = total
+    def __init__(self, total: int, initial: int, interactive: bool | None = None, *,
+                 enabled: bool = True):
+        self.total, self.enabled = total, enabled
         self.interactive = sys.stdout.isatty() if interactive is None else interactive
         self.bar = None
-        if self.interactive:
+        if self.interactive and enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
@@ -72,7 +78,7 @@ class Progress:
     def message(self, text: str) -> None:
         if self.bar is not None:
             self.bar.write(text)
-        else:
+        elif self.enabled:
             print(text, flush=True)
 
     def close(self) -> None:

@@ -4,6 +4,10 @@ Everything random is a function of the seed and the step: the batch of step s co
 from `np.random.default_rng([seed, 0, s])` and its dropout key is
 `fold_in(dropout_key(seed), s)`, so a run resumed from a checkpoint continues exactly as an
 uninterrupted one.
+
+The same train step runs on one device or many: it is jit-compiled with the shardings
+of a ("data", "model") mesh (`attnjax.parallel.mesh`), which on one device are trivial.
+The global batch is the same whatever the mesh, so the results are too.
 """
 
 import dataclasses
@@ -15,7 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax.experimental import multihost_utils
+
 from attnjax.nn import Transformer, TransformerConfig, greedy_decode
+from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy.tasks import BOS, EOS, PAD, Batch
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
@@ -73,12 +80,16 @@ def example_batch(task, size: int) -> Batch:
     return task.sample(np.random.default_rng(0), size)
 
 
-def init_state(model: Transformer, optimizer, task, seed: int) -> TrainState:
-    """Fresh parameters from `key(seed)` and a zero optimiser state."""
+def init_state(model: Transformer, optimizer, task, seed: int, mesh) -> TrainState:
+    """Fresh parameters from `key(seed)` and a zero optimiser state, laid out on the
+    mesh (Megatron layout over "model", replicated over "data")."""
     batch = example_batch(task, 2)
-    params = jax.jit(model.init)(init_key(seed), batch.src,
-                                 batch.tgt_in, batch.src_lengths)["params"]
-    return TrainState(jnp.int32(0), params, optimizer.init(params))
+
+    def init():
+        params = model.init(init_key(seed), batch.src, batch.tgt_in, batch.src_lengths)["params"]
+        return TrainState(jnp.int32(0), params, optimizer.init(params))
+
+    return jax.jit(init, out_shardings=mesh_lib.shardings(jax.eval_shape(init), mesh))()
 
 
 def loss_and_metrics(params, batch: Batch, model: Transformer, label_smoothing: float,
@@ -100,12 +111,17 @@ def loss_and_metrics(params, batch: Batch, model: Transformer, label_smoothing: 
     return loss, {"loss": loss, "accuracy": correct / tokens, "tokens": tokens}
 
 
-def make_train_step(model: Transformer, optimizer, optim, steps: int, seed: int):
-    """`(state, batch) -> (state, metrics)`, jit-compiled with the state donated."""
+def make_train_step(model: Transformer, optimizer, optim, steps: int, seed: int, state, mesh):
+    """`(state, batch) -> (state, metrics)`, jit-compiled with the state donated; the
+    state keeps the layout it has, the batch is split over "data"."""
     schedule = learning_rate_schedule(optim, steps)
     grad_fn = jax.grad(loss_and_metrics, has_aux=True)
 
-    @functools.partial(jax.jit, donate_argnums=0)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    @functools.partial(jax.jit, donate_argnums=0,
+                       in_shardings=(state_shardings, mesh_lib.batch_sharding(mesh)),
+                       out_shardings=(state_shardings, mesh_lib.replicated(mesh)))
     def train_step(state: TrainState, batch: Batch):
         key = jax.random.fold_in(dropout_key(seed), state.step)
         grads, metrics = grad_fn(state.params, batch, model, optim.label_smoothing, key)
@@ -123,19 +139,24 @@ def eval_set(task, config) -> Batch:
                        held=True)
 
 
-def train_batch(task, config, step: int) -> Batch:
-    """The training batch of `step`: a function of (seed, step) alone."""
-    return task.sample(np.random.default_rng([config.seed, TRAIN_STREAM, step]),
-                       config.batch_size)
+def train_batch(task, config, step: int, mesh) -> Batch:
+    """The global training batch of `step`, a function of (seed, step) alone, split over
+    the mesh's "data" axis. Every process draws it whole and places its own shards."""
+    batch = task.sample(np.random.default_rng([config.seed, TRAIN_STREAM, step]),
+                        config.batch_size)
+    return Batch(*(mesh_lib.put(x, mesh_lib.batch_sharding(mesh)) for x in batch))
 
 
-def predict(model: Transformer, params, batch: Batch, batch_size: int) -> np.ndarray:
+def predict(model: Transformer, params, batch: Batch, batch_size: int, mesh) -> np.ndarray:
     """Greedy decoding with the KV cache, in chunks: `[B, T]` tokens, eos then pad."""
     chunks = np.array_split(np.arange(len(batch.src)), -(-len(batch.src) // batch_size))
     max_len = batch.tgt_out.shape[1]
+    everywhere = mesh_lib.replicated(mesh)
     return np.concatenate([
-        np.asarray(greedy_decode(model, params, batch.src[c], batch.src_lengths[c],
-                                 max_len=max_len, bos_id=BOS, eos_id=EOS, pad_id=PAD))
+        multihost_utils.process_allgather(greedy_decode(
+            model, params, mesh_lib.put(batch.src[c], everywhere),
+            mesh_lib.put(batch.src_lengths[c], everywhere), max_len=max_len, bos_id=BOS,
+            eos_id=EOS, pad_id=PAD), tiled=True)
         for c in chunks])
 
 

@@ -1,0 +1,8 @@
+"""Beyond one device (layer 7): meshes, sharded training, ring attention.
+
+  ring      ring_attention (inside shard_map), ring_self_attention on a mesh, zigzag
+"""
+
+from attnjax.parallel.ring import ring_attention, ring_self_attention, unzigzag, zigzag
+
+__all__ = ["ring_attention", "ring_self_attention", "unzigzag", "zigzag"]

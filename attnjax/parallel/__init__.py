@@ -1,5 +1,6 @@
 """Beyond one device (layer 7): meshes, sharded training, ring attention.
 
+  mesh      make_mesh ("data", "model"), the Megatron parameter layout, global batches
   ring      ring_attention (inside shard_map), ring_self_attention on a mesh, zigzag
 """
 

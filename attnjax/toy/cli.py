@@ -136,12 +136,12 @@ def _evaluate(model, params, task, eval_batch, config, step: int, mesh):
 
 
 def _plot_attention(path: Path, model, params, task, eval_batch, predictions) -> None:
-    """attention.png for the first held-out example, decoding its own prediction."""
+    """attention.png for the first held-out example, decoding its own prediction.
+    params must be whole on this host (`process_allgather`)."""
     length = int(eval_batch.src_lengths[0])
     predicted = list(predictions[0])
     predicted = predicted[: predicted.index(EOS) + 1] if EOS in predicted else predicted
     tgt_in = np.array([[BOS] + predicted[:-1]], np.int32)
-    params = multihost_utils.process_allgather(params, tiled=True)  # whole, on this host
     _, state = model.apply({"params": params}, eval_batch.src[:1, :length], tgt_in,
                            eval_batch.src_lengths[:1], sow_weights=True, mutable=["intermediates"])
     src_tokens = [task.src_vocab.token(int(t)) for t in eval_batch.src[0, :length]]
@@ -238,11 +238,11 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
     if eval_record is None:  # the run had already finished: evaluate for the summary
         eval_record, predictions = _evaluate(model, state.params, task, eval_batch, config,
                                              config.steps, mesh)
+    params = multihost_utils.process_allgather(state.params, tiled=True)  # a collective
     if primary:
         write_samples(workdir / "samples.txt", task, eval_batch, predictions)
         plot_curves(workdir / "curves.png", metrics.records)
-        _plot_attention(workdir / "attention.png", model, state.params, task, eval_batch,
-                        predictions)
+        _plot_attention(workdir / "attention.png", model, params, task, eval_batch, predictions)
     return {"task": config.task.name, "steps": config.steps,
             "exact_match": eval_record["eval_exact_match"],
             "token_accuracy": eval_record["eval_token_accuracy"],

@@ -1,0 +1,145 @@
+"""Sharded training: data- and model-parallel runs on 4 emulated devices, and two
+processes on 127.0.0.1 (gloo), each matching a one-device run step for step."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from attnjax.parallel import mesh as mesh_lib
+from attnjax.toy import cli, make_task
+from attnjax.toy import train as training
+from attnjax.toy.config import load_config
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
+                                "sets --xla_force_host_platform_device_count=4)")
+
+ROOT = Path(__file__).resolve().parents[1]
+# Every step logged (log_every=1) so the losses compare step by step; dropout on, so the
+# random streams must agree under sharding too.
+PARALLEL = ["task.num_symbols=5", "task.min_len=1", "task.max_len=6", "task.eval_size=200",
+            "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
+            "model.num_encoder_layers=1", "model.num_decoder_layers=1", "model.max_len=16",
+            "model.dropout_rate=0.1", "optim.warmup_steps=10", "batch_size=32", "log_every=1",
+            "eval_batch_size=100"]
+
+
+def config(steps: int):
+    return load_config(ROOT / "configs" / "copy.yaml",
+                       PARALLEL + [f"steps={steps}", f"eval_every={steps}",
+                                   f"checkpoint_every={steps}"])
+
+
+def _losses(workdir: Path) -> np.ndarray:
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
+    return np.array([r["loss"] for r in records if "loss" in r])
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """Losses of one-device runs of 50 and 30 steps."""
+    losses = {}
+    with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
+        for steps in (50, 30):
+            workdir = tmp_path_factory.mktemp(f"one{steps}")
+            cli.run(config(steps), workdir, mesh=mesh_lib.make_mesh(devices=jax.devices()[:1]),
+                    interactive=False)
+            losses[steps] = _losses(workdir)
+    return losses
+
+
+@pytest.fixture
+def float32():
+    with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+@pytest.mark.parametrize("shape", [{"data": 4}, {"data": 2, "model": 2}])
+def test_sharded_training_matches_one_device(tmp_path, one_device, float32, shape):
+    mesh = mesh_lib.make_mesh(shape, jax.devices()[:4])
+    cli.run(config(50), tmp_path, mesh=mesh, interactive=False)
+    losses = _losses(tmp_path)
+    assert len(losses) == 50 and losses[-1] < losses[0]
+    np.testing.assert_allclose(losses, one_device[50], rtol=0, atol=1e-5)
+
+
+def test_parameters_are_split_in_the_megatron_layout(float32):
+    c = config(50)
+    mesh = mesh_lib.make_mesh({"data": 2, "model": 2}, jax.devices()[:4])
+    task = make_task(c.task)
+    model = training.make_model(c, task)
+    optimizer = training.make_optimizer(c.optim, c.steps)
+    state = training.init_state(model, optimizer, task, c.seed, mesh)
+    attention = state.params["encoder"]["layer_0"]["self"]
+    ffn = state.params["encoder"]["layer_0"]["ffn"]
+    expected = {
+        "query kernel": (attention["query"]["kernel"], PartitionSpec(None, "model", None)),
+        "out kernel": (attention["out"]["kernel"], PartitionSpec("model", None, None)),
+        "ffn in": (ffn["wi"]["kernel"], PartitionSpec(None, "model")),
+        "ffn out": (ffn["wo"]["kernel"], PartitionSpec("model", None)),
+        "layer norm": (state.params["encoder"]["ln_final"]["scale"], PartitionSpec()),
+    }
+    for name, (array, spec) in expected.items():
+        assert array.sharding.spec == spec, name
+    # each device holds half the heads of a [D=32, N=4, H=8] kernel, and half of the FFN
+    assert {s.data.shape for s in attention["query"]["kernel"].addressable_shards} == {(32, 2, 8)}
+    assert {s.data.shape for s in ffn["wi"]["kernel"].addressable_shards} == {(32, 32)}
+    # Adam's moments follow their parameters
+    moments = [leaf for leaf in jax.tree.leaves(state.opt_state)
+               if leaf.shape == attention["query"]["kernel"].shape]
+    assert moments and all(m.sharding.spec == PartitionSpec(None, "model", None)
+                           for m in moments)
+
+
+def test_mesh_errors():
+    with pytest.raises(ValueError, match="the mesh {'data': 3} needs 3 devices; there are 4"):
+        mesh_lib.make_mesh({"data": 3}, jax.devices()[:4])
+    with pytest.raises(ValueError, match="--mesh expects axis=size pairs"):
+        mesh_lib.parse_mesh("data=2,heads=2")
+    assert mesh_lib.parse_mesh("data=2,model=2") == {"data": 2, "model": 2}
+    with pytest.raises(ValueError, match=r"query/kernel \(32, 2, 16\) is split over model=4, "
+                                         r"which must divide its size 2"):
+        mesh_lib.shardings({"query": {"kernel": np.zeros((32, 2, 16))}},
+                           mesh_lib.make_mesh({"model": 4}, jax.devices()[:4]))
+    with pytest.raises(cli.ConfigError, match="batch_size=30 must be divisible by the mesh's "
+                                              "data axis \\(4 devices\\)"):
+        cli.run(load_config(None, ["batch_size=30"]), Path("unused"),
+                mesh=mesh_lib.make_mesh(devices=jax.devices()[:4]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process(tmp_path, one_device):
+    port = _free_port()
+    overrides = [arg for o in PARALLEL + ["steps=30", "eval_every=30", "checkpoint_every=10"]
+                 for arg in ("--set", o)]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    processes = [subprocess.Popen(
+        [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path),
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+         *overrides], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    for p, output in zip(processes, outputs):
+        assert p.returncode == 0, output[-3000:]
+    assert "held-out exact match" in outputs[0]
+    losses = _losses(tmp_path)
+    assert len(losses) == 30
+    np.testing.assert_allclose(losses, one_device[30], rtol=0, atol=1e-5)
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [10, 20, 30]

@@ -136,6 +136,10 @@ def test_killed_or_interrupted_run_resumes_to_the_uninterrupted_metrics(tmp_path
     (["--config", "configs/none.yaml"], "error: cannot read config configs/none.yaml"),
     (["--set", "steps=-3"], "error: steps must be positive; got -3"),
     (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--mesh", "gpus=2"], "error: --mesh expects axis=size pairs over ('data', 'model')"),
+    (["--mesh", "data=3"], "error: the mesh {'data': 3} needs 3 devices; there are"),
+    (["--coordinator", "127.0.0.1:1"], "error: --coordinator, --num-processes and "
+                                       "--process-id go together"),
 ])
 def test_cli_bad_config_exits_2_with_one_line(tmp_path, args, message):
     result = subprocess.run([sys.executable, str(ROOT / "train_toy.py"), "--workdir",

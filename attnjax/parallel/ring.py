@@ -45,16 +45,12 @@ def _case(q_chunk, k_chunk, is_causal: bool):
     return jnp.where(k_chunk < q_chunk, _FULL, jnp.where(k_chunk == q_chunk, _DIAGONAL, _SKIP))
 
 
-def _per_head(fn):
-    """`fn` on one head's 2-D arrays, mapped over [B, L, K, G, ·] (k/v shared by G)."""
-    over_groups = jax.vmap(fn, in_axes=(1, None, None) + (1,) * (_arity(fn) - 3),
-                           out_axes=1)
-    over_heads = jax.vmap(over_groups, in_axes=(1,) * _arity(fn), out_axes=1)
-    return jax.vmap(over_heads, in_axes=(0,) * _arity(fn), out_axes=0)
-
-
-def _arity(fn) -> int:
-    return fn.__code__.co_argcount
+def _per_head(fn, num_args: int):
+    """`fn(q, k, v, *rows)` on one head's arrays, mapped over batch, K and G: q and the
+    per-row arrays are `[B, L, K, G, ·]`, k and v `[B, L, K, ·]` (shared by G)."""
+    over_groups = jax.vmap(fn, in_axes=(1, None, None) + (1,) * (num_args - 3), out_axes=1)
+    over_heads = jax.vmap(over_groups, in_axes=1, out_axes=1)
+    return jax.vmap(over_heads, in_axes=0, out_axes=0)
 
 
 def _block_forward(q, k, v, case, scale):
@@ -64,7 +60,7 @@ def _block_forward(q, k, v, case, scale):
         def one(q, k, v):
             out, lse = chunked.forward_with_lse(q, k, v, is_causal=is_causal, scale=scale)
             return out.astype(jnp.float32), lse
-        return _per_head(one)(q, k, v)
+        return _per_head(one, 3)(q, k, v)
 
     def skip():
         b, c, kh, g, _ = q.shape
@@ -81,7 +77,7 @@ def _block_backward(q, k, v, out, lse, d_out, case, scale):
         def one(q, k, v, out, lse, d_out):
             return chunked.backward_with_lse(q, k, v, out, lse, d_out, is_causal=is_causal,
                                              scale=scale)
-        d_q, d_k, d_v = _per_head(one)(q, k, v, out, lse, d_out)
+        d_q, d_k, d_v = _per_head(one, 6)(q, k, v, out, lse, d_out)
         # k/v are shared by the G query heads of a group: their gradients add up
         return d_q, d_k.sum(axis=3), d_v.sum(axis=3)
 

@@ -1,0 +1,71 @@
+"""The training objective and schedule: padding never counts, label smoothing is the
+cross-entropy against smoothed targets, and the learning-rate schedules have their shape."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnjax.toy import make_task
+from attnjax.toy import train as training
+from attnjax.toy.config import OptimConfig, load_config
+from attnjax.toy.tasks import PAD, Batch
+
+
+@pytest.fixture
+def setup():
+    with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
+        config = load_config(None, ["model.d_model=32", "model.num_heads=2", "model.d_ff=48",
+                                    "task.max_len=9"])
+        task = make_task(config.task)
+        model = training.make_model(config, task)
+        batch = task.sample(np.random.default_rng(7), 13)
+        params = model.init(jax.random.key(3), batch.src, batch.tgt_in,
+                            batch.src_lengths)["params"]
+        yield model, params, batch
+
+
+def test_loss_ignores_padding(setup):
+    model, params, batch = setup
+    rng = np.random.default_rng(0)
+    # Fill every padded source and decoder-input position with random symbols.
+    src = np.where(batch.src == PAD, rng.integers(3, 13, batch.src.shape), batch.src)
+    tgt_in = np.where(batch.tgt_out == PAD, rng.integers(3, 13, batch.tgt_in.shape),
+                      batch.tgt_in)
+    noisy = Batch(src.astype(np.int32), batch.src_lengths, tgt_in.astype(np.int32),
+                  batch.tgt_out)
+    assert (noisy.src != batch.src).any() and (noisy.tgt_in != batch.tgt_in).any()
+    loss, metrics = training.loss_and_metrics(params, batch, model, 0.1)
+    noisy_loss, noisy_metrics = training.loss_and_metrics(params, noisy, model, 0.1)
+    np.testing.assert_allclose(noisy_loss, loss, rtol=1e-5)
+    assert metrics["tokens"] == (batch.tgt_out != PAD).sum()
+    np.testing.assert_allclose(noisy_metrics["accuracy"], metrics["accuracy"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_loss_is_smoothed_cross_entropy_over_target_tokens(setup, smoothing):
+    model, params, batch = setup
+    loss, _ = training.loss_and_metrics(params, batch, model, smoothing)
+    logits = np.asarray(model.apply({"params": params}, batch.src, batch.tgt_in,
+                                    batch.src_lengths), np.float64)
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    vocab = logits.shape[-1]
+    total, count = 0.0, 0
+    for b, t in zip(*np.nonzero(batch.tgt_out != PAD)):
+        target = np.full(vocab, smoothing / vocab)
+        target[batch.tgt_out[b, t]] += 1.0 - smoothing
+        total -= (target * log_p[b, t]).sum()
+        count += 1
+    np.testing.assert_allclose(loss, total / count, rtol=1e-5)
+
+
+def test_schedules():
+    cosine = training.learning_rate_schedule(
+        OptimConfig(learning_rate=2e-3, warmup_steps=10, end_learning_rate=1e-5), 100)
+    np.testing.assert_allclose([cosine(0), cosine(5), cosine(10), cosine(100)],
+                               [0.0, 1e-3, 2e-3, 1e-5], rtol=1e-5, atol=1e-9)
+    assert cosine(50) > cosine(80) > cosine(99)
+    paper = training.learning_rate_schedule(
+        OptimConfig(learning_rate=2e-3, warmup_steps=16, schedule="inverse_sqrt"), 100)
+    np.testing.assert_allclose([paper(4), paper(16), paper(64)], [5e-4, 2e-3, 1e-3], rtol=1e-6)
+    assert jnp.isfinite(paper(0))

@@ -1,5 +1,5 @@
 """Training end to end on a tiny config: the loss falls, outputs are written, runs are
-reproducible, a killed or interrupted run resumes to the uninterrupted metrics, NaN stops
+reproducible, killed and interrupted runs resume to the uninterrupted metrics, NaN stops
 the run, and the command line exits 2 on a bad config."""
 
 import json
@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import yaml
 
-from attnjax.toy import cli
+from attnjax.parallel import mesh as mesh_lib
+from attnjax.toy import cli, make_task
+from attnjax.toy import train as training
 from attnjax.toy.config import dump_config, load_config
 from attnjax.toy.report import TIMING_KEYS, Progress
 
@@ -67,13 +69,16 @@ def test_tiny_run_learns_and_writes_every_output(tmp_path, float32):
     assert best in steps   # the best checkpoint is kept besides the latest three
 
 
-def test_same_seed_same_metrics_other_seed_other_metrics(tmp_path, float32):
-    config = tiny("steps=20", "eval_every=20")
-    cli.run(config, tmp_path / "a", interactive=False)
-    cli.run(config, tmp_path / "b", interactive=False)
-    cli.run(tiny("steps=20", "eval_every=20", "seed=1"), tmp_path / "c", interactive=False)
-    assert _records(tmp_path / "a") == _records(tmp_path / "b")
-    assert _records(tmp_path / "a") != _records(tmp_path / "c")
+def test_seed_changes_initialisation_and_data(float32):
+    a, b = tiny(), tiny("seed=1")
+    task = make_task(a.task)
+    model = training.make_model(a, task)
+    optimizer = training.make_optimizer(a.optim, a.steps)
+    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+    params = [training.init_state(model, optimizer, task, c.seed, mesh).params for c in (a, b)]
+    assert not np.array_equal(*(p["logits"]["kernel"] for p in params))
+    batches = [training.train_batch(task, c, 0, mesh) for c in (a, b)]
+    assert not np.array_equal(*(np.asarray(batch.src) for batch in batches))
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, float32):
@@ -104,31 +109,38 @@ def _latest(workdir: Path) -> int:
     return max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
-def test_killed_or_interrupted_run_resumes_to_the_uninterrupted_metrics(tmp_path, sig):
+def test_killed_and_interrupted_runs_resume_to_the_uninterrupted_metrics(tmp_path):
+    """Four runs of one config side by side: whole, again (same seed), killed with
+    SIGKILL and interrupted with SIGINT mid-run; the last two are then rerun."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    whole = subprocess.Popen(_cli(tmp_path / "whole"), env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    cut = subprocess.Popen(_cli(tmp_path / "cut"), env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    names = ("whole", "again", "killed", "interrupted")
+    processes = {name: subprocess.Popen(_cli(tmp_path / name), env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True) for name in names}
+    cut = (("killed", signal.SIGKILL, -9), ("interrupted", signal.SIGINT, 130))
     try:
-        _wait_for_checkpoint(tmp_path / "cut", cut, 40)
-        cut.send_signal(sig)
-        output, _ = cut.communicate(timeout=120)
-        assert cut.returncode == (-9 if sig == signal.SIGKILL else 130), output
-        assert 40 <= _latest(tmp_path / "cut") < 400
-        if sig == signal.SIGINT:
-            assert "rerun the same command to resume" in output
-        resumed = subprocess.run(_cli(tmp_path / "cut"), env=env, capture_output=True,
-                                 text=True, timeout=300)
-        assert resumed.returncode == 0, resumed.stderr
-        assert "resuming" in resumed.stdout
-        output, _ = whole.communicate(timeout=300)
-        assert whole.returncode == 0, output
+        for name, sig, _ in cut:
+            _wait_for_checkpoint(tmp_path / name, processes[name], 40)
+            processes[name].send_signal(sig)
+        for name, sig, code in cut:
+            output, _ = processes[name].communicate(timeout=120)
+            assert processes[name].returncode == code, output
+            assert 40 <= _latest(tmp_path / name) < 400
+            if sig == signal.SIGINT:
+                assert "rerun the same command to resume" in output
+            resumed = subprocess.run(_cli(tmp_path / name), env=env, capture_output=True,
+                                     text=True, timeout=300)
+            assert resumed.returncode == 0, resumed.stderr
+            assert "resuming" in resumed.stdout
+        for name in ("whole", "again"):
+            output, _ = processes[name].communicate(timeout=300)
+            assert processes[name].returncode == 0, output
     finally:
-        for process in (whole, cut):
+        for process in processes.values():
             process.kill()
-    assert _records(tmp_path / "cut") == _records(tmp_path / "whole")
+    whole = _records(tmp_path / "whole")
+    assert len(whole) == 42   # 40 log records and 2 evaluations
+    for name in names[1:]:
+        assert _records(tmp_path / name) == whole, name
 
 
 @pytest.mark.parametrize("args, message", [

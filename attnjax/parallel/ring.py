@@ -110,19 +110,30 @@ def _ring_forward(q, k, v, axis_name, is_causal, scale, layout):
     me = lax.axis_index(axis_name)
     count = 1 if layout == "contiguous" else 2
     q_chunks, q_ids = _chunks(q, count), _chunk_ids(me, p, layout)
-    # [B, C, K, G, V] and [B, C, K, G] per query chunk
-    outs = [jnp.zeros(c.shape[:-1] + v.shape[-1:], jnp.float32) for c in q_chunks]
-    lses = [jnp.full(c.shape[:-1], -jnp.inf, jnp.float32) for c in q_chunks]
     ring = [(i, (i + 1) % p) for i in range(p)]
-    for step in range(p):
+
+    def fold(step, k, v, outs, lses):
+        """Folds the k/v shard held at `step` (device me − step's) into every row."""
         k_ids = _chunk_ids((me - step) % p, p, layout)
+        outs, lses = list(outs), list(lses)
         for a, q_chunk in enumerate(q_chunks):
             for b, (k_chunk, v_chunk) in enumerate(zip(_chunks(k, count), _chunks(v, count))):
                 case = _case(q_ids[a], k_ids[b], is_causal)
                 block = _block_forward(q_chunk, k_chunk, v_chunk, case, scale)
                 outs[a], lses[a] = _combine(outs[a], lses[a], *block)
-        if step < p - 1:
-            k, v = lax.ppermute((k, v), axis_name, ring)
+        return outs, lses
+
+    def step_and_pass(step, carry):
+        k, v, outs, lses = carry
+        outs, lses = fold(step, k, v, outs, lses)
+        k, v = lax.ppermute((k, v), axis_name, ring)
+        return k, v, outs, lses
+
+    # [B, C, K, G, V] and [B, C, K, G] per query chunk
+    outs = [jnp.zeros(c.shape[:-1] + v.shape[-1:], jnp.float32) for c in q_chunks]
+    lses = [jnp.full(c.shape[:-1], -jnp.inf, jnp.float32) for c in q_chunks]
+    k, v, outs, lses = lax.fori_loop(0, p - 1, step_and_pass, (k, v, outs, lses))
+    outs, lses = fold(p - 1, k, v, outs, lses)   # the last shard needs no passing on
     out = jnp.concatenate(outs, axis=1).astype(q.dtype)
     return out, jnp.concatenate(lses, axis=1)
 
@@ -135,12 +146,13 @@ def _ring_backward(q, k, v, out, lse, d_out, axis_name, is_causal, scale, layout
     q_ids = _chunk_ids(me, p, layout)
     rows = list(zip(_chunks(q, count), _chunks(out, count), _chunks(lse, count),
                     _chunks(d_out, count)))
-    d_q = [jnp.zeros(r[0].shape, jnp.float32) for r in rows]
-    d_k, d_v = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     ring = [(i, (i + 1) % p) for i in range(p)]
     size = k.shape[1] // count
-    for step in range(p):
+
+    def accumulate(step, k, v, d_k, d_v, d_q):
+        """Adds the gradients of the pairs with the k/v shard held at `step`."""
         k_ids = _chunk_ids((me - step) % p, p, layout)
+        d_q = list(d_q)
         for a, (q_chunk, out_chunk, lse_chunk, d_out_chunk) in enumerate(rows):
             for b, (k_chunk, v_chunk) in enumerate(zip(_chunks(k, count), _chunks(v, count))):
                 case = _case(q_ids[a], k_ids[b], is_causal)
@@ -149,10 +161,20 @@ def _ring_backward(q, k, v, out, lse, d_out, axis_name, is_causal, scale, layout
                 d_q[a] = d_q[a] + dq
                 d_k = d_k.at[:, b * size:(b + 1) * size].add(dk)
                 d_v = d_v.at[:, b * size:(b + 1) * size].add(dv)
-        if step < p - 1:
-            k, v, d_k, d_v = lax.ppermute((k, v, d_k, d_v), axis_name, ring)
-        else:  # the accumulators take the last hop home; k and v are done
-            d_k, d_v = lax.ppermute((d_k, d_v), axis_name, ring)
+        return d_k, d_v, d_q
+
+    def step_and_pass(step, carry):
+        k, v, d_k, d_v, d_q = carry
+        d_k, d_v, d_q = accumulate(step, k, v, d_k, d_v, d_q)
+        k, v, d_k, d_v = lax.ppermute((k, v, d_k, d_v), axis_name, ring)
+        return k, v, d_k, d_v, d_q
+
+    d_q = [jnp.zeros(r[0].shape, jnp.float32) for r in rows]
+    d_k, d_v = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    k, v, d_k, d_v, d_q = lax.fori_loop(0, p - 1, step_and_pass, (k, v, d_k, d_v, d_q))
+    d_k, d_v, d_q = accumulate(p - 1, k, v, d_k, d_v, d_q)
+    # the accumulators take the last hop home; k and v are done
+    d_k, d_v = lax.ppermute((d_k, d_v), axis_name, ring)
     return jnp.concatenate(d_q, axis=1), d_k, d_v
 
 

@@ -341,6 +341,14 @@ def _attention_fn(plan: _Plan):
     return attend
 
 
+def _scaled_and_padded(plan: _Plan, q, k, v):
+    """q scaled (once, rather than every [bq, bk] block of logits), and q, k, v
+    zero-padded to whole blocks."""
+    tq, sk = plan.num_q_blocks * plan.block_q, plan.num_k_blocks * plan.block_k
+    q = _pad_to(q * jnp.asarray(plan.scale, q.dtype), tq, 0)
+    return q, _pad_to(k, sk, 0), _pad_to(v, sk, 0)
+
+
 def block_sizes(t: int, s: int, block_q: int | None, block_k: int | None) -> tuple[int, int]:
     """Blocks no larger than the (rounded-up) sequences, for short inputs."""
     def fit(requested, default, length):
@@ -373,9 +381,7 @@ def chunked_attention(
     block_q, block_k = block_sizes(t, s, block_q, block_k)
     plan = _Plan(t, s, block_q, block_k, is_causal, window, scale, dropout_rate)
     tq, sk = plan.num_q_blocks * block_q, plan.num_k_blocks * block_k
-    # Scale the [T, H] queries once rather than every [bq, bk] block of logits.
-    q = _pad_to(q * jnp.asarray(scale, q.dtype), tq, 0)
-    k, v = _pad_to(k, sk, 0), _pad_to(v, sk, 0)
+    q, k, v = _scaled_and_padded(plan, q, k, v)
     bias = _pad_to(_pad_to(bias, tq, 0), sk, 1)
     mask = _pad_to(_pad_to(mask, tq, 0), sk, 1)
     if query_length is not None:
@@ -400,9 +406,7 @@ def forward_with_lse(q: Float[Array, "T H"], k: Float[Array, "S H"], v: Float[Ar
     with no mask, bias, lengths or dropout. Not differentiable: its pair
     `backward_with_lse` is, given the output and log-sum-exp of the whole row."""
     plan, blocks = _plain_plan(q, k, is_causal, scale)
-    tq, sk = plan.num_q_blocks * plan.block_q, plan.num_k_blocks * plan.block_k
-    q = _pad_to(q * jnp.asarray(scale, q.dtype), tq, 0)
-    out, lse = _forward(plan, q, _pad_to(k, sk, 0), _pad_to(v, sk, 0), blocks)
+    out, lse = _forward(plan, *_scaled_and_padded(plan, q, k, v), blocks)
     return out[: plan.t], lse[: plan.t]
 
 
@@ -413,9 +417,8 @@ def backward_with_lse(q, k, v, out, lse, d_out, *, is_causal: bool, scale: float
     weights are exp(logits − lse), so the blocks' gradients add up to the row's.
     """
     plan, blocks = _plain_plan(q, k, is_causal, scale)
-    tq, sk = plan.num_q_blocks * plan.block_q, plan.num_k_blocks * plan.block_k
-    pad_q = functools.partial(_pad_to, size=tq, axis=0)
-    d_q, d_k, d_v, _ = _backward(
-        plan, pad_q(q * jnp.asarray(scale, q.dtype)), _pad_to(k, sk, 0), _pad_to(v, sk, 0),
-        blocks, pad_q(out), pad_q(lse), pad_q(d_out))
+    pad_q = functools.partial(_pad_to, size=plan.num_q_blocks * plan.block_q, axis=0)
+    d_q, d_k, d_v, _ = _backward(plan, *_scaled_and_padded(plan, q, k, v), blocks, pad_q(out),
+                                 pad_q(lse), pad_q(d_out))
+    # q entered pre-scaled: the chain rule applies the scale to d_q
     return d_q[: plan.t] * scale, d_k[: plan.s], d_v[: plan.s]

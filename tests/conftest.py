@@ -33,3 +33,12 @@ import pytest  # noqa: E402
 def rng(request):
     """A key per test, different for every test and stable across runs (from its id)."""
     return jax.random.key(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def float32():
+    """Training tests run as a user runs it: float32 and standard dtype promotion."""
+    from tests.numerics import as_users_run
+
+    with as_users_run():
+        yield

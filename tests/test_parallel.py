@@ -17,6 +17,7 @@ from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import cli, make_task
 from attnjax.toy import train as training
 from attnjax.toy.config import load_config
+from tests.numerics import as_users_run
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
                                 "sets --xla_force_host_platform_device_count=4)")
@@ -46,19 +47,13 @@ def _losses(workdir: Path) -> np.ndarray:
 def one_device(tmp_path_factory):
     """Losses of one-device runs of 50 and 30 steps."""
     losses = {}
-    with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
+    with as_users_run():
         for steps in (50, 30):
             workdir = tmp_path_factory.mktemp(f"one{steps}")
             cli.run(config(steps), workdir, mesh=mesh_lib.make_mesh(devices=jax.devices()[:1]),
                     interactive=False)
             losses[steps] = _losses(workdir)
     return losses
-
-
-@pytest.fixture
-def float32():
-    with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
-        yield
 
 
 @pytest.mark.parametrize("shape", [{"data": 4}, {"data": 2, "model": 2}])

@@ -13,16 +13,15 @@ from attnjax.toy.tasks import PAD, Batch
 
 
 @pytest.fixture
-def setup():
-    with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
-        config = load_config(None, ["model.d_model=32", "model.num_heads=2", "model.d_ff=48",
-                                    "task.max_len=9"])
-        task = make_task(config.task)
-        model = training.make_model(config, task)
-        batch = task.sample(np.random.default_rng(7), 13)
-        params = model.init(jax.random.key(3), batch.src, batch.tgt_in,
-                            batch.src_lengths)["params"]
-        yield model, params, batch
+def setup(float32):
+    config = load_config(None, ["model.d_model=32", "model.num_heads=2", "model.d_ff=48",
+                                "task.max_len=9"])
+    task = make_task(config.task)
+    model = training.make_model(config, task)
+    batch = task.sample(np.random.default_rng(7), 13)
+    params = model.init(jax.random.key(3), batch.src, batch.tgt_in,
+                        batch.src_lengths)["params"]
+    return model, params, batch
 
 
 def test_loss_ignores_padding(setup):

@@ -33,13 +33,6 @@ def tiny(*overrides):
     return load_config(ROOT / "configs" / "copy.yaml", TINY + list(overrides))
 
 
-@pytest.fixture
-def float32():
-    """Training runs as a user runs it: float32 and standard dtype promotion."""
-    with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
-        yield
-
-
 def _records(workdir: Path) -> list[dict]:
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]

@@ -55,9 +55,10 @@ class Progress:
     def __init__(self, total: int, initial: int, interactive: bool | None = None, *,
                  enabled: bool = True):
         self.total, self.enabled = total, enabled
-        self.interactive = sys.stdout.isatty() if interactive is None else interactive
         self.bar = None
-        if self.interactive and enabled:
+        if interactive is None:
+            interactive = sys.stdout.isatty()
+        if interactive and enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)

@@ -2,12 +2,16 @@
 
 Layers, each built on the ones before it:
   core         attention / attention_weights for one example and one head
-  scores       alignment functions (scaled dot, dot, general, additive)
-  masks        boolean mask helpers (True = may attend)
-  dense        the single-head implementation that materialises the weights
-  chunked      the single-head online-softmax implementation, O(T + S) memory
+  masks        the Mask value (causal, window, lengths, segments, prefix, chunked causal,
+               from_array, from_fn, combined with & and |) and its block classifier
+  scores       alignment functions, score modifications (soft_cap, alibi,
+               relative_position_bias) and the score spec of a call
+  options      the plain options of a call
+  dense        the single-head kernel that materialises the weights (the reference)
+  chunked      the single-head block-sparse online-softmax kernel, O(T + S) memory
   cudnn        delegation to jax.nn's cuDNN kernel on a GPU
-  attention    dot_product_attention on [B, T, N, H], vmapped over heads and batch
+  attention    dot_product_attention on [B, T, N, H]: keywords -> Mask, Score, Options;
+               a kernel vmapped over heads and batch
   multi_head   init_multi_head_attention / multi_head_attention (flax's parameter tree)
 
 Flax modules live in `attnjax.nn`; toy tasks, training and the CLI in `attnjax.toy`.
@@ -15,7 +19,9 @@ Flax modules live in `attnjax.nn`; toy tasks, training and the CLI in `attnjax.t
 
 from attnjax.attention import IMPLEMENTATIONS, dot_product_attention, score_attention
 from attnjax.core import attention, attention_weights, masked_softmax
+from attnjax import masks, scores
 from attnjax.masks import (
+    Mask,
     causal_mask,
     combine_masks,
     padding_mask,
@@ -29,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "Mask",
     "additive_score",
     "attention",
     "attention_weights",
@@ -38,11 +45,13 @@ __all__ = [
     "dot_score",
     "general_score",
     "init_multi_head_attention",
+    "masks",
     "masked_softmax",
     "multi_head_attention",
     "padding_mask",
     "query_key_mask",
     "scaled_dot_score",
+    "scores",
     "score_attention",
     "sliding_window_mask",
 ]

@@ -1,22 +1,24 @@
-"""Layer 2: batched, multi-head `dot_product_attention` on `[B, T, N, H]` arrays.
+"""Layer 4: batched, multi-head `dot_product_attention` on `[B, T, N, H]` arrays.
 
-The single-head implementations (`attnjax.dense`, ...) are vmapped over query heads
-within a key/value group (G), over key/value heads (K) and over the batch (B). Masks,
-lengths, windows, dropout and the choice of implementation are resolved here, once.
+The public keywords become one `Mask`, one `Score` and one `Options` here, once, and
+nothing else travels down: a kernel (`attnjax.dense`, `attnjax.chunked`) computes one
+head from `(q, k, v, mask, score, options)` and is vmapped over the query heads of a
+key/value group (G), the key/value heads (K) and the batch (B). Every per-call array
+(segment ids, lengths, positions, bias, sinks, dropout keys) is laid out as
+`[B|1, N|1, ...]` when it is bound, so the same vmap hands each head its own slice.
 """
-
-import functools
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from attnjax import _checks, cudnn
-from attnjax.chunked import chunked_attention
-from attnjax.dense import dense_attention
+from attnjax import _checks, chunked, cudnn, dense, masks
+from attnjax.masks import Mask, Shape
+from attnjax.options import Options
+from attnjax.scores import Score
 
-# name -> (single-head function, can it return weights?)
-_VMAPPED = {"dense": (dense_attention, True), "chunked": (chunked_attention, False)}
+# name -> (single-head kernel, can it return weights?)
+_KERNELS = {"dense": (dense.attend, True), "chunked": (chunked.attend, False)}
 IMPLEMENTATIONS = ("dense", "chunked", "cudnn")
 
 # implementation=None runs dense while T·S is at most this, chunked above it. Measured
@@ -25,111 +27,36 @@ IMPLEMENTATIONS = ("dense", "chunked", "cudnn")
 AUTO_CHUNKED_ABOVE = 512 * 512
 
 
-def _select_implementation(implementation, return_weights: bool, t: int, s: int) -> str:
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}"
-        )
-    name = implementation
-    if name is None:
-        name = "dense" if return_weights or t * s <= AUTO_CHUNKED_ABOVE else "chunked"
-    if return_weights and not _VMAPPED.get(name, (None, False))[1]:
-        raise ValueError(
-            f"return_weights=True needs implementation='dense' (the only one that "
-            f"materialises the [B, N, T, S] weights); got implementation={implementation!r}"
-        )
-    return name
-
-
-def _to_rank4(x):
-    """Left-pad a mask or bias with unit axes to `[B, N, T, S]`."""
-    return x.reshape((1,) * (4 - x.ndim) + x.shape)
-
-
-def _group_heads(x, num_heads: int, num_kv_heads: int):
-    """`[b, n, t, s]` -> `[b, k, g, t, s]` with n = k·g, or unit axes when n = 1.
-
-    Returns the array with its unit leading axes dropped, and for each of (B, K, G)
-    whether the array has that axis (vmap in_axes 0) or is shared along it (None).
-    """
-    b, n, t, s = x.shape
-    grouped = (num_kv_heads, num_heads // num_kv_heads) if n == num_heads else (1, 1)
-    x = x.reshape((b,) + grouped + (t, s))
-    has_axis = tuple(d != 1 for d in x.shape[:3])
-    kept = [d for d in x.shape[:3] if d != 1]
-    return x.reshape(tuple(kept) + (t, s)), has_axis
-
-
-def _axes(flag: bool | None):
-    return 0 if flag else None
-
-
-def _map_axis(fn, size: int, in_axes: tuple, out_axes: tuple):
-    """`jax.vmap(fn, in_axes, out_axes)` over an axis of `size`; a unit axis is indexed
-    away and re-inserted instead, which keeps unit dims out of every intermediate (XLA
-    otherwise copies whole blocks of logits to move them)."""
-    if size > 1:
-        return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)
-
-    def squeezed(*args):
-        args = [x if axis is None else jax.tree.map(lambda a: jnp.take(a, 0, axis=axis), x)
-                for x, axis in zip(args, in_axes)]
-        outs = fn(*args)
-        return tuple(None if x is None else jnp.expand_dims(x, axis)
-                     for x, axis in zip(outs, out_axes))
-
-    return squeezed
-
-
-def _vmapped(fn, sizes, bias_axes, mask_axes, has_lengths, has_keys, has_score_params):
-    """Map a single-head `fn(q, k, v, bias, mask, q_len, k_len, key, score_params)` over
-    G, K and B."""
-    def level(index, q_axis, kv_axis, length_axis):
-        # out [T, ..., V] keeps T first; weights [..., T, S] stack heads in front.
-        in_axes = (
-            q_axis,
-            kv_axis,
-            kv_axis,
-            _axes(bias_axes and bias_axes[index]),
-            _axes(mask_axes and mask_axes[index]),
-            length_axis[0],
-            length_axis[1],
-            _axes(has_keys),
-            _axes(has_score_params and index > 0),  # per head, shared by the batch
-        )
-        return lambda f: _map_axis(f, sizes[index], in_axes, (q_axis, 0))
-
-    fn = level(2, 1, None, (None, None))(fn)  # G: q [T, G, H]; k, v shared
-    fn = level(1, 1, 1, (None, None))(fn)  # K: q [T, K, G, H]; k [S, K, H]
-    lengths = tuple(0 if has else None for has in has_lengths)
-    return level(0, 0, 0, lengths)(fn)  # B
-
-
 def dot_product_attention(
     query: Float[ArrayLike, "*B T N H"],
     key: Float[ArrayLike, "*B S K H"],
     value: Float[ArrayLike, "*B S K V"],
     bias: Float[ArrayLike, "..."] | None = None,
-    mask: Bool[ArrayLike, "..."] | None = None,
+    mask: Mask | Bool[ArrayLike, "..."] | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
     query_lengths: Int[ArrayLike, "*B"] | None = None,
     key_lengths: Int[ArrayLike, "*B"] | None = None,
     window: int | tuple[int, int] | None = None,
+    positions: tuple[Int[ArrayLike, "..."], Int[ArrayLike, "..."]] | None = None,
+    score_mod=None,
+    sinks: Float[ArrayLike, " N"] | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     dropout_broadcast: bool = False,
     return_weights: bool = False,
+    return_residual: bool = False,
     implementation: str | None = None,
     block_sizes: tuple[int, int] | None = None,
-) -> Float[ArrayLike, "*B T N V"] | tuple[Float[ArrayLike, "*B T N V"], Float[ArrayLike, "*B N T S"]]:
+    alignment=None,
+):
     """Scaled dot-product attention over a batch and several heads.
 
-    softmax(Q Kᵀ · scale + bias) V per example and head, over the keys each query may
-    see. Axis letters: B batch, T query length, S key length, N query heads, K key/value
-    heads (N = K·G: grouped-query attention when K < N), H query/key head dim, V value
-    head dim.
+    softmax(score_mod(Q Kᵀ · scale + bias)) V per example and head, over the keys each
+    query may see. Axis letters: B batch, T query length, S key length, N query heads,
+    K key/value heads (N = K·G: grouped-query attention when K < N), H query/key head
+    dim, V value head dim.
 
     Args:
       query: `[B, T, N, H]`, or `[T, N, H]` for one unbatched example.
@@ -137,19 +64,31 @@ def dot_product_attention(
       value: `[B, S, K, V]` (or `[S, K, V]`); same dtype as query and key.
       bias: float, broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched); added to
         the logits. Use it for additive masks and relative-position biases.
-      mask: bool, broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched);
-        True = may attend. A float mask is a TypeError: pass additive values as bias.
+      mask: an `attnjax.Mask` (`attnjax.masks.causal() & masks.segments(ids)`, ...)
+        or a bool array broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched),
+        True = may attend. A float array is a TypeError: pass additive values as bias.
       scale: logit scale; 1/√H when None.
       is_causal: key j is visible to query i when j ≤ i + (S − T): the *last* query
         sees every key. The usual triangle when T = S, and right for a KV-cache step or
         chunked prefill (T < S). `jax.nn.dot_product_attention` aligns top-left
-        (j ≤ i) instead.
+        (j ≤ i) instead. Same as `mask=masks.causal()`.
       query_lengths: int `[B]` (`[]` unbatched), the valid query lengths; query rows at
         or past the length are padding and give zeros.
       key_lengths: int `[B]` (`[]` unbatched), the valid key lengths; keys at or past
         the length are never attended to.
       window: `(left, right)` or an int w for `(w, w)`: query i sees key j when
-        i' − left ≤ j ≤ i' + right, with i' = i + (S − T).
+        i' − left ≤ j ≤ i' + right, with i' = i + (S − T) its position.
+      positions: `(query_positions, key_positions)`, int `[B, T]` and `[B, S]` (or
+        `[T]` and `[S]` shared by the batch): the positions causal, window, prefix and
+        chunked-causal masks and score_mod read. Default: bottom-right aligned, query i
+        at i + (S − T) and key j at j.
+      score_mod: `score_mod(score, b, n, q_pos, k_pos) -> score`, applied elementwise
+        to the scaled logits (plus bias) before masking, on blocks: score float32
+        `[T', S']`, b and n int32 scalars, q_pos `[T', 1]`, k_pos `[1, S']`. Gradients
+        reach the arrays it closes over. Built in: `attnjax.scores.soft_cap`, `alibi`,
+        `relative_position_bias`, `chain`.
+      sinks: float `[N]`, one learned logit per query head that joins every row's
+        softmax denominator with a zero value vector (attention sinks); differentiable.
       dropout_rate: inverted dropout on the attention weights, in [0, 1); independent
         per example and head.
       dropout_rng: a `jax.random` key; required when dropout_rate > 0.
@@ -157,88 +96,83 @@ def dot_product_attention(
         (flax's `broadcast_dropout=True`) instead of drawing one per example and head.
       return_weights: also return the `[B, N, T, S]` weights (before dropout); only
         the dense implementation can.
+      return_residual: also return the log-sum-exp of each row's logits, `[B, T, N]`
+        (jax.nn's name and layout), differentiable. A row that sees no key (and no
+        sink) has log-sum-exp −0.7·float32max (`attnjax.core.MASKED`), never −inf.
       implementation: "dense" (materialises the `[T, S]` weights of each head),
-        "chunked" (online softmax over key blocks: O(T + S) memory forward and
-        backward, fully masked blocks skipped) or "cudnn" (delegates to
-        `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only). None picks
-        dense for T·S ≤ 512², or when weights are asked for, and chunked above.
+        "chunked" (block-sparse online softmax: O(T + S) memory forward and backward,
+        blocks the mask hides skipped) or "cudnn" (delegates to
+        `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only, bool arrays
+        and the jax.nn keywords only). None picks dense for T·S ≤ 512², or when weights
+        are asked for, and chunked above.
       block_sizes: `(block_q, block_k)` for the chunked implementation; chosen per
         shape when None. Lengths need not be multiples of them.
+      alignment: `(score_fn, params)`, a learned alignment `score_fn(q [T, Hq],
+        k [S, Hk], **params) -> [T, S]` (e.g. `attnjax.general_score`) replacing the
+        scaled dot product, with each of `params` `[N, ...]` (one set per query head);
+        dense only, and scale does not apply.
 
     Returns:
-      `[B, T, N, V]` (or `[T, N, V]`) in the input dtype; with return_weights, the pair
-      (output, weights `[B, N, T, S]`). A query that sees no key gets zeros, and zero
-      gradients, in every dtype. Softmax and accumulation run in float32 for
-      float16/bfloat16 inputs.
+      `[B, T, N, V]` (or `[T, N, V]`) in the input dtype. With return_weights, the
+      pair (output, weights `[B, N, T, S]`); with return_residual, (output,
+      log-sum-exp `[B, T, N]`); with both, (output, weights, log-sum-exp). A query that
+      sees no key gets zeros, and zero gradients, in every dtype. Softmax and
+      accumulation run in float32 for float16/bfloat16 inputs.
     """
-    return _attention(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        query_lengths=query_lengths, key_lengths=key_lengths, window=window,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        dropout_broadcast=dropout_broadcast, return_weights=return_weights,
-        implementation=implementation, block_sizes=block_sizes, score=None,
-    )
+    query, key, value, shape = _check_inputs(query, key, value, alignment is None)
+    attention_mask = _mask_from_keywords(
+        shape, mask, is_causal=is_causal, query_lengths=query_lengths,
+        key_lengths=key_lengths, window=window)
+    score = _score(shape, query.shape[-1], bias, scale, score_mod, sinks, alignment)
+    name = _select_implementation(implementation, return_weights, shape, score)
+    options = _options(shape, name, implementation, dropout_rate, dropout_rng,
+                       dropout_broadcast, return_weights, return_residual, block_sizes)
+    if name == "cudnn":
+        out = cudnn.attention(
+            query, key, value, score, options, mask=mask, is_causal=is_causal,
+            query_lengths=query_lengths, key_lengths=key_lengths,
+            window=_checks.resolve_window(window), positions=positions)
+        lse = weights = None
+    else:
+        bound = attention_mask.bind(shape, positions)
+        out, lse, weights = _per_head(_KERNELS[name][0], query, key, value, bound, score,
+                                      options)
+    if shape.unbatched:
+        out, lse, weights = (None if x is None else x[0] for x in (out, lse, weights))
+    extras = ((weights,) if return_weights else ()) + ((lse,) if return_residual else ())
+    return (out, *extras) if extras else out
 
 
-def score_attention(
-    query: Float[ArrayLike, "*B T N Hq"],
-    key: Float[ArrayLike, "*B S K Hk"],
-    value: Float[ArrayLike, "*B S K V"],
-    score_fn,
-    score_params,
-    bias: Float[ArrayLike, "..."] | None = None,
-    mask: Bool[ArrayLike, "..."] | None = None,
-    *,
-    is_causal: bool = False,
-    query_lengths: Int[ArrayLike, "*B"] | None = None,
-    key_lengths: Int[ArrayLike, "*B"] | None = None,
-    window: int | tuple[int, int] | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None,
-    dropout_broadcast: bool = False,
-    return_weights: bool = False,
-):
-    """Batched multi-head attention with any alignment function and per-head parameters.
-
-    The dense implementation with `score_fn(q [T, Hq], k [S, Hk], **params) -> [T, S]`
-    (e.g. `attnjax.general_score`, `attnjax.additive_score`) in place of the scaled dot
-    product, vmapped over heads and batch like `dot_product_attention`.
+def score_attention(query, key, value, score_fn, score_params, bias=None, mask=None,
+                    **options):
+    """Batched multi-head attention with a learned alignment function and per-head
+    parameters: `dot_product_attention(query, key, value, bias, mask,
+    alignment=(score_fn, score_params), **options)`, always dense.
 
     Args:
       query: `[B, T, N, Hq]` (or `[T, N, Hq]`).
       key: `[B, S, K, Hk]` (or `[S, K, Hk]`).
       value: `[B, S, K, V]` (or `[S, K, V]`).
-      score_fn: the alignment function.
+      score_fn: the alignment function, `score_fn(q [T, Hq], k [S, Hk], **params)`
+        (e.g. `attnjax.general_score`, `attnjax.additive_score`).
       score_params: a dict of its keyword parameters, each with a leading axis of size N
         (one set per query head).
-      bias: as for `dot_product_attention`, broadcastable to `[B, N, T, S]`.
-      mask: as for `dot_product_attention`, broadcastable to `[B, N, T, S]`.
-      is_causal: as for `dot_product_attention` (bottom-right alignment).
-      query_lengths: int `[B]`, as for `dot_product_attention`.
-      key_lengths: int `[B]`, as for `dot_product_attention`.
-      window: as for `dot_product_attention`.
-      dropout_rate: as for `dot_product_attention`.
-      dropout_rng: as for `dot_product_attention`.
-      dropout_broadcast: as for `dot_product_attention`.
-      return_weights: also return the `[B, N, T, S]` weights.
+      bias: as for `dot_product_attention`.
+      mask: as for `dot_product_attention`.
+      **options: any other keyword of `dot_product_attention` but scale.
 
     Returns:
-      `[B, T, N, V]`, or (output, weights `[B, N, T, S]`) with return_weights.
+      As `dot_product_attention`.
     """
-    return _attention(
-        query, key, value, bias, mask, scale=None, is_causal=is_causal,
-        query_lengths=query_lengths, key_lengths=key_lengths, window=window,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        dropout_broadcast=dropout_broadcast, return_weights=return_weights,
-        implementation="dense", block_sizes=None, score=(score_fn, score_params),
-    )
+    return dot_product_attention(query, key, value, bias, mask,
+                                 alignment=(score_fn, score_params), **options)
 
 
-def _attention(
-    query, key, value, bias, mask, *, scale, is_causal, query_lengths, key_lengths, window,
-    dropout_rate, dropout_rng, dropout_broadcast, return_weights, implementation,
-    block_sizes, score,
-):
+# --------------------------------------------------------------------------------------
+# The boundary: checks, and the keywords turned into Mask, Score and Options.
+
+
+def _check_inputs(query, key, value, same_head_dim: bool):
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     _checks.check_rank("query", query, (3, 4), "[B, T, N, H] or [T, N, H]")
     unbatched = query.ndim == 3
@@ -258,76 +192,12 @@ def _attention(
     _checks.check_same_dtype(query=query, key=key, value=value)
     if unbatched:
         query, key, value = query[None], key[None], value[None]
-    _check_shapes(query, key, value, layouts, same_head_dim=score is None)
-    b, t, n, h = query.shape
-    s = key.shape[1]
-
-    target = (b, n, t, s)
-    bias_layout = "[N, T, S]" if unbatched else "[B, N, T, S]"
-    rank = 3 if unbatched else 4
-    if bias is not None:
-        _checks.check_bias("bias", bias, target[4 - rank:], bias_layout)
-        bias = _to_rank4(bias)
-    if mask is not None:
-        _checks.check_mask("mask", mask, target[4 - rank:], bias_layout)
-        mask = _to_rank4(mask)
-    lengths = []
-    for name, x in (("query_lengths", query_lengths), ("key_lengths", key_lengths)):
-        if x is not None:
-            _checks.check_lengths(name, x, () if unbatched else (b,), "[]" if unbatched else "[B]")
-            x = jnp.reshape(x, (b,)).astype(jnp.int32)
-        lengths.append(x)
-    window = _checks.resolve_window(window)
-    dropout_rate = _checks.check_dropout(dropout_rate, dropout_rng)
-    if score is None:
-        scale = _checks.resolve_scale(scale, h)
-    else:
-        score = _check_score(*score, n)
-    name = _select_implementation(implementation, return_weights, t, s)
-    options = {}
-    if block_sizes is not None:
-        options = dict(zip(("block_q", "block_k"), _checks.resolve_block_sizes(block_sizes)))
-        if name != "chunked":
-            raise ValueError(
-                f"block_sizes={block_sizes} applies to implementation='chunked'; "
-                f"got implementation={implementation!r}, which runs {name!r}"
-            )
-
-    if name == "cudnn":
-        out = cudnn.attention(
-            query, key, value, bias, mask,
-            scale=scale, is_causal=is_causal, query_lengths=lengths[0],
-            key_lengths=lengths[1], window=window, dropout_rate=dropout_rate,
-        )
-        weights = None
-    else:
-        out, weights = _run_vmapped(
-            functools.partial(_VMAPPED[name][0], **options), query, key, value, bias, mask, lengths,
-            is_causal=is_causal, window=window, scale=scale, dropout_rate=dropout_rate,
-            dropout_rng=dropout_rng, dropout_broadcast=dropout_broadcast,
-            return_weights=return_weights, score=score,
-        )
-    if unbatched:
-        out = out[0]
-        weights = None if weights is None else weights[0]
-    return (out, weights) if return_weights else out
+    _check_shapes(query, key, value, layouts, same_head_dim)
+    b, t, n, _ = query.shape
+    return query, key, value, Shape(b, t, key.shape[1], n, unbatched)
 
 
-def _check_score(score_fn, score_params, num_heads: int):
-    if not callable(score_fn):
-        raise TypeError(f"score_fn must be callable; got {type(score_fn).__name__}")
-    if not isinstance(score_params, dict):
-        raise TypeError(f"score_params must be a dict of arrays; got {type(score_params).__name__}")
-    for name, x in score_params.items():
-        if jnp.ndim(x) < 1 or jnp.shape(x)[0] != num_heads:
-            raise ValueError(
-                f"score_params[{name!r}] must have a leading head axis of size N={num_heads}; "
-                f"got shape {_checks.shape_str(jnp.shape(x))}"
-            )
-    return score_fn, score_params
-
-
-def _check_shapes(query, key, value, layouts, same_head_dim=True) -> None:
+def _check_shapes(query, key, value, layouts, same_head_dim: bool) -> None:
     b, t, n, h = query.shape
     shapes = {name: _checks.shape_str(x.shape) for name, x in
               (("query", query), ("key", key), ("value", value))}
@@ -350,56 +220,180 @@ def _check_shapes(query, key, value, layouts, same_head_dim=True) -> None:
         fail(f"the number of key/value heads K={key.shape[2]} must divide the query heads N={n}")
 
 
-def _run_vmapped(
-    fn, query, key, value, bias, mask, lengths, *, is_causal, window, scale,
-    dropout_rate, dropout_rng, dropout_broadcast, return_weights, score,
-):
-    b, t, n, h = query.shape
-    s, k = key.shape[1], key.shape[2]
-    g = n // k
-    bias_axes = mask_axes = None
-    if bias is not None:
-        bias, bias_axes = _group_heads(bias, n, k)
+def _mask_from_keywords(shape: Shape, mask, *, is_causal, query_lengths, key_lengths,
+                        window) -> Mask:
+    """The jax.nn-style keywords and a bool array or Mask, as one Mask."""
+    rank_layout = "[B]" if not shape.unbatched else "[]"
+    expected = () if shape.unbatched else (shape.b,)
+    for name, x in (("query_lengths", query_lengths), ("key_lengths", key_lengths)):
+        if x is not None:
+            _checks.check_lengths(name, x, expected, rank_layout)
+    parts = []
     if mask is not None:
-        mask, mask_axes = _group_heads(mask, n, k)
+        parts.append(mask if isinstance(mask, Mask) else masks.from_array(mask))
+    if is_causal:
+        parts.append(masks.causal())
+    if window is not None:
+        parts.append(masks.window(*_checks.resolve_window(window)))
+    if query_lengths is not None or key_lengths is not None:
+        parts.append(masks.lengths(query_lengths, key_lengths))
+    result = masks.everything()
+    for part in parts:
+        result = result & part
+    return result
+
+
+def _score(shape: Shape, head_dim: int, bias, scale, score_mod, sinks, alignment) -> Score:
+    """The score spec, its arrays checked and laid out per head."""
+    layout = "[N, T, S]" if shape.unbatched else "[B, N, T, S]"
+    target = (shape.b, shape.n, shape.t, shape.s)
+    if bias is not None:
+        _checks.check_bias("bias", bias, target[1:] if shape.unbatched else target, layout)
+        bias = jnp.asarray(bias)
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be callable score_mod(score, b, n, q_pos, k_pos); "
+                        f"got {type(score_mod).__name__}")
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        _checks.check_floating("sinks", sinks)
+        _checks.check_param_shape("sinks", sinks, (shape.n,), "[N]")
+        sinks = sinks[None]
+    align, align_params = None, None
+    if alignment is None:
+        scale = _checks.resolve_scale(scale, head_dim)
+    else:
+        if scale is not None:
+            raise ValueError(f"scale={scale} applies to the scaled dot product only; with "
+                             "alignment, put the scale inside score_fn")
+        align, align_params = _check_alignment(alignment, shape.n)
+        align_params = {name: x[None] for name, x in align_params.items()}
+    return Score(scale, score_mod, align, bias, sinks, align_params)
+
+
+def _check_alignment(alignment, num_heads: int):
+    if not isinstance(alignment, (tuple, list)) or len(alignment) != 2:
+        raise TypeError(f"alignment must be a pair (score_fn, params); got {alignment!r}")
+    score_fn, score_params = alignment
+    if not callable(score_fn):
+        raise TypeError(f"score_fn must be callable; got {type(score_fn).__name__}")
+    if not isinstance(score_params, dict):
+        raise TypeError(f"score_params must be a dict of arrays; got {type(score_params).__name__}")
+    for name, x in score_params.items():
+        if jnp.ndim(x) < 1 or jnp.shape(x)[0] != num_heads:
+            raise ValueError(
+                f"score_params[{name!r}] must have a leading head axis of size N={num_heads}; "
+                f"got shape {_checks.shape_str(jnp.shape(x))}"
+            )
+    return score_fn, {name: jnp.asarray(x) for name, x in score_params.items()}
+
+
+def _select_implementation(implementation, return_weights: bool, shape: Shape,
+                           score: Score) -> str:
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}"
+        )
+    name = implementation
+    if name is None:
+        small = shape.t * shape.s <= AUTO_CHUNKED_ABOVE
+        name = "dense" if return_weights or small or score.align is not None else "chunked"
+    if return_weights and not _KERNELS.get(name, (None, False))[1]:
+        raise ValueError(
+            f"return_weights=True needs implementation='dense' (the only one that "
+            f"materialises the [B, N, T, S] weights); got implementation={implementation!r}"
+        )
+    if score.align is not None and name != "dense":
+        raise ValueError(f"a learned alignment (score_fn) runs on implementation='dense' "
+                         f"only; got implementation={implementation!r}")
+    return name
+
+
+def _options(shape: Shape, name: str, implementation, dropout_rate, dropout_rng,
+             dropout_broadcast, return_weights, return_residual, block_sizes) -> Options:
+    dropout_rate = _checks.check_dropout(dropout_rate, dropout_rng)
+    blocks = (None, None)
+    if block_sizes is not None:
+        blocks = _checks.resolve_block_sizes(block_sizes)
+        if name != "chunked":
+            raise ValueError(
+                f"block_sizes={block_sizes} applies to implementation='chunked'; "
+                f"got implementation={implementation!r}, which runs {name!r}"
+            )
     keys = None
     if dropout_rate > 0.0:
         # One key per (example, query head): dropout masks independent across both,
         # unless one mask is to be shared by all.
         if dropout_broadcast:
-            keys = jnp.broadcast_to(dropout_rng, (b * n,) + jnp.shape(dropout_rng))
+            keys = jnp.asarray(dropout_rng)[None, None]
         else:
-            keys = jax.random.split(dropout_rng, b * n)
-        keys = keys.reshape((b, k, g) + keys.shape[1:])
-    score_fn, score_params = score if score is not None else (None, None)
-    if score_params is not None:
-        # [N, ...] -> [K, G, ...]: one parameter set per query head.
-        score_params = jax.tree.map(lambda x: jnp.reshape(x, (k, g) + jnp.shape(x)[1:]),
-                                    score_params)
-
-    single = functools.partial(
-        _single_head, fn, score_fn, is_causal=is_causal, window=window, scale=scale,
-        dropout_rate=dropout_rate, return_weights=return_weights,
-    )
-    run = _vmapped(single, (b, k, g), bias_axes, mask_axes,
-                   tuple(x is not None for x in lengths), keys is not None,
-                   score_params is not None)
-    # [B, T, K, G, H]
-    grouped_query = query.reshape(b, t, k, g, h)
-    # out [B, T, K, G, V], weights [B, K, G, T, S] or None
-    out, weights = run(grouped_query, key, value, bias, mask, lengths[0], lengths[1], keys,
-                       score_params)
-    out = out.reshape(b, t, n, value.shape[-1])
-    if weights is not None:
-        weights = weights.reshape(b, n, t, s)
-    return out, weights
+            keys = jax.random.split(dropout_rng, shape.b * shape.n)
+            keys = keys.reshape((shape.b, shape.n) + keys.shape[1:])
+    return Options(dropout_rate, bool(return_weights), bool(return_residual), *blocks, keys)
 
 
-def _single_head(fn, score_fn, q, k, v, bias, mask, query_length, key_length, dropout_key,
-                 score_params, **options):
-    if score_fn is not None:
-        options["score_fn"] = functools.partial(score_fn, **score_params)
-    return fn(
-        q, k, v, bias=bias, mask=mask, query_length=query_length, key_length=key_length,
-        dropout_key=dropout_key, **options,
-    )
+# --------------------------------------------------------------------------------------
+# One kernel, mapped over G, K and B.
+
+
+def _per_head(kernel, query, key, value, mask: Mask, score: Score, options: Options):
+    """`kernel(q [T, H], k [S, H], v [S, V], mask, score, options)` for every example
+    and head: out `[B, T, N, V]`, log-sum-exp `[B, T, N]`, weights `[B, N, T, S]` or
+    None."""
+    b, t, n, _ = query.shape
+    s = key.shape[1]
+    # out [B, T, K, G, V], lse [B, T, K, G], weights [B, K, G, T, S] or None
+    out, lse, weights = map_heads(kernel, query, key, value, (mask, score, options),
+                                  rows_first=(True, True, False))
+    return (out.reshape(b, t, n, value.shape[-1]), lse.reshape(b, t, n),
+            None if weights is None else weights.reshape(b, n, t, s))
+
+
+def map_heads(fn, query, key, value, meta, *, rows_first: tuple[bool, ...]):
+    """`fn(q [T, H], k [S, H], v [S, V], *meta)` for every example and query head.
+
+    query `[B, T, N, H]`, key and value `[B, S, K, ·]` (K divides N); `meta` a tuple of
+    pytrees whose leaves are laid out `[B|1, N|1, ...]` (a bound Mask, Score, Options),
+    each head getting its own slice. fn returns a tuple; output i comes back as
+    `[B, L, K, G, ...]` when `rows_first[i]` (its first axis is a length: rows of the
+    output, gradients of q or k) and as `[B, K, G, ...]` otherwise (None stays None).
+    """
+    b, t, n, h = query.shape
+    kv_heads = key.shape[2]
+    g = n // kv_heads
+
+    def group(x):
+        # [B|1, N|1, ...] -> [B|1, K|1, G|1, ...]
+        heads = (kv_heads, g) if x.shape[1] == n and n > 1 else (1, 1)
+        return x.reshape(x.shape[:1] + heads + x.shape[2:])
+
+    meta = jax.tree.map(group, tuple(meta))
+    mapped = lambda q, k, v, meta: fn(q, k, v, *meta)  # noqa: E731
+    rows = tuple(1 if first else 0 for first in rows_first)
+    mapped = _map_axis(mapped, g, q_axis=1, kv_axis=None, out_axes=rows)  # G: k, v shared
+    mapped = _map_axis(mapped, kv_heads, q_axis=1, kv_axis=1, out_axes=rows)  # K
+    mapped = _map_axis(mapped, b, q_axis=0, kv_axis=0, out_axes=(0,) * len(rows))  # B
+    return mapped(query.reshape(b, t, kv_heads, g, h), key, value, meta)
+
+
+def _map_axis(fn, size: int, *, q_axis: int, kv_axis: int | None, out_axes: tuple[int, ...]):
+    """`fn(q, k, v, meta)` mapped over one of B, K, G: q's `q_axis`, k and v's `kv_axis`
+    (None: shared), and the first axis of every `meta` leaf (size `size`, or 1 when
+    shared). A unit axis is indexed away and re-inserted instead of vmapped, which keeps
+    unit dims out of every intermediate (XLA otherwise copies whole blocks of logits to
+    move them)."""
+
+    def mapped(q, k, v, meta):
+        meta_axes = jax.tree.map(lambda x: 0 if x.shape[0] > 1 else None, meta)
+        meta = jax.tree.map(lambda x: x if x.shape[0] > 1 else x[0], meta)
+        if size > 1:
+            return jax.vmap(fn, in_axes=(q_axis, kv_axis, kv_axis, meta_axes),
+                            out_axes=out_axes)(q, k, v, meta)
+        q = jnp.take(q, 0, axis=q_axis)
+        if kv_axis is not None:
+            k, v = jnp.take(k, 0, axis=kv_axis), jnp.take(v, 0, axis=kv_axis)
+        outs = fn(q, k, v, meta)
+        return tuple(None if x is None else jnp.expand_dims(x, axis)
+                     for x, axis in zip(outs, out_axes))
+
+    return mapped

@@ -1,15 +1,18 @@
-"""The chunked implementation: online softmax over key blocks, O(T + S) memory.
+"""The chunked kernel: block-sparse online softmax, O(T + S) memory.
 
-One head, like `attnjax.dense`, and vmapped the same way by the batched API. Queries are
-taken in blocks of `block_q`; for each, key blocks of `block_k` are folded in with a
-running max m, running sum l and a float32 accumulator (FlashAttention). The custom VJP
-saves only the output and the log-sum-exp per query and recomputes each block's weights
-in the backward pass (FlashAttention-2), so nothing T×S is stored, forward or backward.
+One head, like `attnjax.dense`, and vmapped the same way by the batched API. The Mask
+classifies every (query block, key block) pair as SKIP, PARTIAL or FULL
+(`attnjax.masks`). Each query block folds in only the key blocks it can see — first
+the FULL ones, where no mask is evaluated at all, then the PARTIAL ones, where the
+Mask's `visible` is — with a running max, a running sum and a float32 accumulator
+(FlashAttention).
 
-Blocks that the structure masks entirely (causal, window, lengths) are never computed:
-each query block loops over just the key blocks it can see, and each key block in the
-backward pass over just the query blocks that can see it. A full `[T, S]` mask or bias
-is accepted but is itself O(T·S) memory.
+The custom VJP saves only the output and the log-sum-exp per query and recomputes each
+visited block's weights in the backward pass (FlashAttention-2), which takes the key
+blocks in turn and visits only the query blocks that can see each. Nothing T×S is
+stored, forward or backward (a full `[T, S]` bias or boolean mask is accepted, but is
+itself O(T·S)). score_mod is differentiated block by block, and gradients reach the
+arrays it closes over (`jax.closure_convert`), the sinks and the bias.
 """
 
 import dataclasses
@@ -18,10 +21,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, Float
 
-from attnjax import masks
-from attnjax.scores import _logits_dtype
+from attnjax.core import FLOOR, MASKED
+from attnjax.masks import FULL, PARTIAL, Mask
+from attnjax.options import Options
+from attnjax.scores import Score, _logits_dtype
 
 # Chosen on a 2-core CPU with benchmarks/attention.py: large enough that each block's
 # matrix products run near the GEMM rate, small enough that a block of logits for all
@@ -32,15 +37,12 @@ DEFAULT_BLOCK_K = 512
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """Static facts of one call: sizes, blocks and the structural visibility rule."""
+    """Static facts of one call: sizes, blocks, dropout."""
 
     t: int
     s: int
     block_q: int
     block_k: int
-    is_causal: bool
-    window: tuple[int, int] | None
-    scale: float
     dropout_rate: float
 
     @property
@@ -51,81 +53,54 @@ class _Plan:
     def num_k_blocks(self) -> int:
         return -(-self.s // self.block_k)
 
-    def key_blocks(self, i, query_length, key_length):
-        """[lo, hi): the key blocks query block i can see anything in."""
-        offset = self.s - self.t
-        first = i * self.block_q + offset  # aligned position of the block's first query
-        last = first + self.block_q - 1
-        lo, hi = jnp.int32(0), jnp.int32(self.num_k_blocks)
-        if self.is_causal:
-            hi = jnp.minimum(hi, last // self.block_k + 1)
-        if self.window is not None:
-            left, right = self.window
-            lo = jnp.maximum(lo, (first - left) // self.block_k)
-            hi = jnp.minimum(hi, (last + right) // self.block_k + 1)
-        if key_length is not None:
-            hi = jnp.minimum(hi, -(-key_length // self.block_k))
-        if query_length is not None:
-            hi = jnp.where(i * self.block_q < query_length, hi, lo)
-        return jnp.clip(lo, 0, self.num_k_blocks), jnp.clip(hi, 0, self.num_k_blocks)
+    @property
+    def padded_t(self) -> int:
+        return self.num_q_blocks * self.block_q
 
-    def unmasked_key_blocks(self, i, query_length, key_length):
-        """[lo, hi): key blocks every query of block i sees whole (no mask needed)."""
-        offset = self.s - self.t
-        first = i * self.block_q + offset
-        last = first + self.block_q - 1
-        lo, hi = jnp.int32(0), jnp.int32(self.s // self.block_k)
-        if self.is_causal:
-            hi = jnp.minimum(hi, (first + 1) // self.block_k)
-        if self.window is not None:
-            left, right = self.window
-            lo = jnp.maximum(lo, -((left - last) // self.block_k))
-            hi = jnp.minimum(hi, (first + right + 1) // self.block_k)
-        if key_length is not None:
-            hi = jnp.minimum(hi, key_length // self.block_k)
-        if query_length is not None:
-            hi = jnp.where((i + 1) * self.block_q <= query_length, hi, lo)
-        return lo, jnp.maximum(lo, hi)
-
-    def unmasked_query_blocks(self, j, query_length, key_length):
-        """[lo, hi): query blocks whose every query sees all of key block j."""
-        offset = self.s - self.t
-        first = j * self.block_k
-        last = first + self.block_k - 1
-        lo, hi = jnp.int32(0), jnp.int32(self.num_q_blocks)
-        if self.is_causal:
-            lo = jnp.maximum(lo, -((offset - last) // self.block_q))
-        if self.window is not None:
-            left, right = self.window
-            lo = jnp.maximum(lo, -((right + offset - last) // self.block_q))
-            hi = jnp.minimum(hi, (first + left - offset + 1) // self.block_q)
-        if query_length is not None:
-            hi = jnp.minimum(hi, query_length // self.block_q)
-        limit = self.s if key_length is None else jnp.minimum(key_length, self.s)
-        hi = jnp.where(last < limit, hi, lo)
-        return lo, jnp.maximum(lo, hi)
-
-    def query_blocks(self, j, query_length, key_length):
-        """[lo, hi): the query blocks that can see anything in key block j."""
-        offset = self.s - self.t
-        first = j * self.block_k  # the block's first key
-        last = first + self.block_k - 1
-        lo, hi = jnp.int32(0), jnp.int32(self.num_q_blocks)
-        if self.is_causal:
-            lo = jnp.maximum(lo, (first - offset) // self.block_q)
-        if self.window is not None:
-            left, right = self.window
-            lo = jnp.maximum(lo, (first - right - offset) // self.block_q)
-            hi = jnp.minimum(hi, (last + left - offset) // self.block_q + 1)
-        if query_length is not None:
-            hi = jnp.minimum(hi, -(-query_length // self.block_q))
-        if key_length is not None:
-            hi = jnp.where(first < key_length, hi, lo)
-        return jnp.clip(lo, 0, self.num_q_blocks), jnp.clip(hi, 0, self.num_q_blocks)
+    @property
+    def padded_s(self) -> int:
+        return self.num_k_blocks * self.block_k
 
 
-def _pad_to(x, size: int, axis: int):
-    """Zero-pad axis to `size` (a unit axis of a broadcast mask or bias stays as it is)."""
+def block_sizes(t: int, s: int, block_q: int | None, block_k: int | None) -> tuple[int, int]:
+    """Blocks no larger than the sequences rounded up to a multiple of 8."""
+    def fit(requested, default, length):
+        size = default if requested is None else requested
+        return min(size, max(8, -(-length // 8) * 8))
+    return fit(block_q, DEFAULT_BLOCK_Q, t), fit(block_k, DEFAULT_BLOCK_K, s)
+
+
+def _visits(table):
+    """For each row of a `[rows, cols]` block table, the FULL and the PARTIAL columns:
+    two pairs (`[rows, cols]` column lists, in order and then padding; `[rows]` counts)."""
+    lists = []
+    for kind in (FULL, PARTIAL):
+        hit = table == kind
+        order = jnp.argsort(~hit, axis=1, stable=True).astype(jnp.int32)
+        lists.append((order, jnp.sum(hit, axis=1, dtype=jnp.int32)))
+    return tuple(lists)
+
+
+def _table(plan: _Plan, mask: Mask):
+    """`[nq, nk]` int8 block classes; blocks holding key padding are at most PARTIAL,
+    so that the padding is masked."""
+    table = mask.classify(mask.blocks(plan.t, plan.s, plan.block_q, plan.block_k))
+    if plan.s % plan.block_k:
+        table = table.at[:, -1].min(jnp.int8(PARTIAL))
+    return table
+
+
+def _slice_2d(x, row, rows: int, col, cols: int):
+    """x[row:row+rows, col:col+cols]; a unit (broadcast) axis is kept whole."""
+    if x.shape[0] > 1:
+        x = lax.dynamic_slice_in_dim(x, row, rows, 0)
+    if x.shape[1] > 1:
+        x = lax.dynamic_slice_in_dim(x, col, cols, 1)
+    return x
+
+
+def _pad_axis(x, size: int, axis: int):
+    """Zero-pad axis to `size` (a unit axis of a broadcast bias stays as it is)."""
     if x is None or x.shape[axis] in (1, size):
         return x
     pad = [(0, 0)] * x.ndim
@@ -133,61 +108,47 @@ def _pad_to(x, size: int, axis: int):
     return jnp.pad(x, pad)
 
 
-def _block(x, start, size: int, axis: int):
-    """x[start:start+size] along axis; a unit (broadcast) axis is kept whole."""
-    if x is None or x.shape[axis] == 1:
-        return x
-    return lax.dynamic_slice_in_dim(x, start, size, axis)
-
-
 class _Blocks:
-    """Per-block logits, visibility and dropout of one head, shared by both passes."""
+    """Per-block logits and dropout of one head, shared by both passes.
 
-    def __init__(self, plan, bias, mask, query_length, key_length, dropout_key):
-        self.plan = plan
-        self.bias, self.mask = bias, mask
-        self.query_length, self.key_length = query_length, key_length
+    `mod` is the closure-converted score_mod (or None), called with its hoisted
+    `consts`; q arrives pre-scaled.
+    """
+
+    def __init__(self, plan, mask, bias, mod, dropout_key):
+        self.plan, self.mask, self.bias, self.mod = plan, mask, bias, mod
         self.dropout_key = dropout_key
 
-    def logits(self, q_block, k_block, i, j, masked: bool = True):
-        """Logits of block (i, j) in float32 `[bq, bk]`, −inf where not visible. With
-        masked=False the caller knows every pair of the block is visible."""
+    def raw(self, q_i, k_j, i, j):
+        """q·kᵀ (+ bias) of block (i, j), float32 `[bq, bk]`."""
         p = self.plan
         # [bq, bk]
-        s = jnp.einsum("TH,SH->TS", q_block, k_block,
-                       preferred_element_type=_logits_dtype(q_block.dtype))
-        q_start, k_start = i * p.block_q, j * p.block_k
+        s = jnp.einsum("TH,SH->TS", q_i, k_j, preferred_element_type=_logits_dtype(q_i.dtype))
         if self.bias is not None:
-            bias = _block(_block(self.bias, q_start, p.block_q, 0), k_start, p.block_k, 1)
-            s = s + bias.astype(s.dtype)
-        if not masked:
-            return s
-        q_pos = q_start + lax.broadcasted_iota(jnp.int32, (p.block_q, 1), 0)
-        k_pos = k_start + lax.broadcasted_iota(jnp.int32, (1, p.block_k), 1)
-        visible = masks.visible(
-            q_pos, k_pos, num_queries=p.t, num_keys=p.s, is_causal=p.is_causal,
-            window=p.window, query_length=self.query_length, key_length=self.key_length,
-        )
-        if p.s % p.block_k:  # keys of the last block past S are padding
-            visible = masks.combine_masks(visible, k_pos < p.s)
-        if self.mask is not None:
-            visible = masks.combine_masks(
-                visible, _block(_block(self.mask, q_start, p.block_q, 0), k_start, p.block_k, 1))
-        if visible is not None:
-            s = jnp.where(visible, s, -jnp.inf)
+            s = s + _slice_2d(self.bias, i * p.block_q, p.block_q, j * p.block_k,
+                              p.block_k).astype(s.dtype)
         return s
 
-    def unmasked_key_blocks(self, i):
-        """Key blocks query block i sees whole; none when a user mask may hide pairs."""
-        if self.mask is not None:
-            return jnp.int32(0), jnp.int32(0)
-        return self.plan.unmasked_key_blocks(i, self.query_length, self.key_length)
+    def coords(self, i, j):
+        p = self.plan
+        return self.mask.coords(i * p.block_q, p.block_q, j * p.block_k, p.block_k)
 
-    def unmasked_query_blocks(self, j):
-        """Query blocks that see key block j whole; none under a user mask."""
-        if self.mask is not None:
-            return jnp.int32(0), jnp.int32(0)
-        return self.plan.unmasked_query_blocks(j, self.query_length, self.key_length)
+    def modify(self, raw, at, consts):
+        if self.mod is None:
+            return raw
+        return self.mod(raw, at.b, at.n, at.q_pos, at.k_pos, *consts).astype(raw.dtype)
+
+    def mask_out(self, s, at):
+        """MASKED where the pair is not visible (or the key is padding)."""
+        visible = self.mask.visible(at)
+        if self.plan.s % self.plan.block_k:
+            visible = visible & (at.k_idx < self.plan.s)
+        return jnp.where(visible, s, MASKED)
+
+    def logits(self, q_i, k_j, i, j, masked: bool, consts):
+        at = self.coords(i, j)
+        s = self.modify(self.raw(q_i, k_j, i, j), at, consts)
+        return self.mask_out(s, at) if masked else s
 
     def keep_scale(self, i, j):
         """Inverted-dropout multipliers of block (i, j): 0 or 1/(1 − rate), float32."""
@@ -197,39 +158,33 @@ class _Blocks:
         return jnp.where(keep, 1.0 / (1.0 - p.dropout_rate), 0.0).astype(jnp.float32)
 
 
-def _loop(lo, hi, unmasked, step, init):
-    """`step(j, carry, masked)` for j in [lo, hi), unmasked inside the `unmasked` range.
-
-    Blocks that every pair sees whole skip building and applying the mask, which is
-    most of them for causal and windowed attention.
-    """
-    inner_lo = jnp.clip(unmasked[0], lo, hi)
-    inner_hi = jnp.clip(unmasked[1], inner_lo, hi)
-    carry = lax.fori_loop(lo, inner_lo, functools.partial(step, masked=True), init)
-    carry = lax.fori_loop(inner_lo, inner_hi, functools.partial(step, masked=False), carry)
-    return lax.fori_loop(inner_hi, hi, functools.partial(step, masked=True), carry)
+def _visit(full, partial, step, init):
+    """`step(index, carry, masked)` over the listed FULL blocks (no mask), then the
+    PARTIAL ones. full / partial: (block list, count) of one row or column."""
+    (full_list, full_count), (partial_list, partial_count) = full, partial
+    carry = lax.fori_loop(
+        0, full_count, lambda t, c: step(full_list[t], c, masked=False), init)
+    return lax.fori_loop(
+        0, partial_count, lambda t, c: step(partial_list[t], c, masked=True), carry)
 
 
-def _forward(plan, q, k, v, blocks):
-    """Padded output `[Tq, V]` and log-sum-exp `[Tq]` (−inf for rows that see no key)."""
+def _forward(plan, q, k, v, blocks, sink, consts, rows):
+    """Padded output `[Tq, V]` and log-sum-exp `[Tq]` (MASKED for rows that see nothing)."""
     acc_dtype = _logits_dtype(v.dtype)
 
-    def query_block(i):
+    def query_block(xs):
+        i, full, partial = xs
         q_i = lax.dynamic_slice_in_dim(q, i * plan.block_q, plan.block_q)
-        lo, hi = plan.key_blocks(i, blocks.query_length, blocks.key_length)
 
         def step(j, carry, masked):
             row_max, row_sum, acc = carry
             k_j = lax.dynamic_slice_in_dim(k, j * plan.block_k, plan.block_k)
             v_j = lax.dynamic_slice_in_dim(v, j * plan.block_k, plan.block_k)
             # [bq, bk]
-            s = blocks.logits(q_i, k_j, i, j, masked)
+            s = blocks.logits(q_i, k_j, i, j, masked, consts)
             new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))
-            # Rows with nothing visible yet keep max −inf: shift by 0 so exp gives 0.
-            shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-            # [bq, bk]
-            p = jnp.exp(s - shift[:, None])
-            correction = jnp.exp(row_max - shift)
+            p = jnp.exp(s - new_max[:, None])
+            correction = jnp.exp(row_max - new_max)
             row_sum = row_sum * correction + jnp.sum(p, axis=-1)
             if plan.dropout_rate > 0.0:
                 p = p * blocks.keep_scale(i, j)
@@ -237,43 +192,62 @@ def _forward(plan, q, k, v, blocks):
             pv = jnp.einsum("TS,SV->TV", p.astype(v.dtype), v_j, preferred_element_type=acc_dtype)
             return new_max, row_sum, acc * correction[:, None] + pv
 
+        # A sink starts every row at exp(sink − sink) = 1; without one, the running max
+        # starts at FLOOR, so masked logits (MASKED) contribute exactly 0.
+        start = FLOOR if sink is None else sink.astype(acc_dtype)
         init = (
-            jnp.full((plan.block_q,), -jnp.inf, acc_dtype),
-            jnp.zeros((plan.block_q,), acc_dtype),
+            jnp.full((plan.block_q,), start, acc_dtype),
+            jnp.full((plan.block_q,), 0.0 if sink is None else 1.0, acc_dtype),
             jnp.zeros((plan.block_q, v.shape[-1]), acc_dtype),
         )
-        row_max, row_sum, acc = _loop(lo, hi, blocks.unmasked_key_blocks(i), step, init)
+        row_max, row_sum, acc = _visit(full, partial, step, init)
         seen = row_sum > 0
-        out = acc / jnp.where(seen, row_sum, 1.0)[:, None]
-        lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+        safe_sum = jnp.where(seen, row_sum, 1.0)
+        out = acc / safe_sum[:, None]
+        lse = jnp.where(seen, row_max + jnp.log(safe_sum), MASKED)
         return out.astype(v.dtype), lse
 
+    (full_list, full_count), (partial_list, partial_count) = rows
+    xs = (jnp.arange(plan.num_q_blocks, dtype=jnp.int32), (full_list, full_count),
+          (partial_list, partial_count))
     # [nq, bq, V], [nq, bq]
-    out, lse = lax.map(query_block, jnp.arange(plan.num_q_blocks, dtype=jnp.int32))
+    out, lse = lax.map(query_block, xs)
     return out.reshape(-1, v.shape[-1]), lse.reshape(-1)
 
 
-def _backward(plan, q, k, v, blocks, out, lse, d_out):
-    """Gradients for the (pre-scaled) q, k, v and the bias, recomputing block weights."""
+def _backward(plan, q, k, v, blocks, sink, consts, cols, out, lse, d_out, d_lse):
+    """Gradients of the (pre-scaled, padded) q, k, v, the bias, the sink and score_mod's
+    closed-over arrays, recomputing each visited block's weights."""
     acc_dtype = _logits_dtype(v.dtype)
-    # [Tq]: rowsum(dO ∘ O) = rowsum(dP ∘ P), also under dropout.
+    # [Tq]: rowsum(dO ∘ O) = rowsum(dP ∘ P), also under dropout; minus the lse's cotangent
     delta = jnp.sum(d_out.astype(acc_dtype) * out.astype(acc_dtype), axis=-1)
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    if d_lse is not None:
+        delta = delta - d_lse.astype(acc_dtype)
+    # Rows that saw nothing: exp(MASKED − 0) = 0 recomputes their (zero) weights.
+    lse = jnp.where(lse < FLOOR, 0.0, lse)
     bias = blocks.bias
+    differentiable = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
 
-    def key_block(carry, j):
+    def key_block(carry, xs):
+        j, full, partial = xs
         k_j = lax.dynamic_slice_in_dim(k, j * plan.block_k, plan.block_k)
         v_j = lax.dynamic_slice_in_dim(v, j * plan.block_k, plan.block_k)
-        lo, hi = plan.query_blocks(j, blocks.query_length, blocks.key_length)
 
         def step(i, inner, masked):
-            d_q, d_bias, d_k, d_v = inner
+            d_q, d_bias, d_consts, d_k, d_v = inner
             rows = i * plan.block_q
             q_i = lax.dynamic_slice_in_dim(q, rows, plan.block_q)
             do_i = lax.dynamic_slice_in_dim(d_out, rows, plan.block_q)
+            at = blocks.coords(i, j)
+            raw = blocks.raw(q_i, k_j, i, j)
+            if blocks.mod is None:
+                s = raw
+            else:
+                s, mod_vjp = jax.vjp(lambda r, c: blocks.modify(r, at, c), raw, consts)
+            if masked:
+                s = blocks.mask_out(s, at)
             # [bq, bk]: the forward weights, exactly, from the saved log-sum-exp.
-            p = jnp.exp(blocks.logits(q_i, k_j, i, j, masked)
-                        - lax.dynamic_slice_in_dim(lse, rows, plan.block_q)[:, None])
+            p = jnp.exp(s - lax.dynamic_slice_in_dim(lse, rows, plan.block_q)[:, None])
             dp = jnp.einsum("TV,SV->TS", do_i, v_j, preferred_element_type=acc_dtype)
             p_used = p
             if plan.dropout_rate > 0.0:
@@ -281,8 +255,12 @@ def _backward(plan, q, k, v, blocks, out, lse, d_out):
                 p_used, dp = p * keep, dp * keep
             d_v = d_v + jnp.einsum("TS,TV->SV", p_used.astype(v.dtype), do_i,
                                    preferred_element_type=acc_dtype)
-            # [bq, bk]
+            # [bq, bk]: the gradient of the (modified) logits; zero where masked, as p is.
             ds = p * (dp - lax.dynamic_slice_in_dim(delta, rows, plan.block_q)[:, None])
+            if blocks.mod is not None:
+                ds, d_block_consts = mod_vjp(ds)
+                d_consts = [d + g if ok else d for d, g, ok in
+                            zip(d_consts, d_block_consts, differentiable)]
             ds_in = ds.astype(q.dtype)
             d_k = d_k + jnp.einsum("TS,TH->SH", ds_in, q_i, preferred_element_type=acc_dtype)
             d_q_i = lax.dynamic_slice_in_dim(d_q, rows, plan.block_q) + jnp.einsum(
@@ -290,18 +268,28 @@ def _backward(plan, q, k, v, blocks, out, lse, d_out):
             d_q = lax.dynamic_update_slice_in_dim(d_q, d_q_i, rows, 0)
             if d_bias is not None:
                 d_bias = _add_block(d_bias, ds, rows, j * plan.block_k)
-            return d_q, d_bias, d_k, d_v
+            return d_q, d_bias, d_consts, d_k, d_v
 
-        d_q, d_bias = carry
-        init = (d_q, d_bias, jnp.zeros(k_j.shape, acc_dtype), jnp.zeros(v_j.shape, acc_dtype))
-        d_q, d_bias, d_k, d_v = _loop(lo, hi, blocks.unmasked_query_blocks(j), step, init)
-        return (d_q, d_bias), (d_k, d_v)
+        d_q, d_bias, d_consts = carry
+        init = (d_q, d_bias, d_consts, jnp.zeros(k_j.shape, acc_dtype),
+                jnp.zeros(v_j.shape, acc_dtype))
+        d_q, d_bias, d_consts, d_k, d_v = _visit(full, partial, step, init)
+        return (d_q, d_bias, d_consts), (d_k, d_v)
 
     init = (jnp.zeros(q.shape, acc_dtype),
-            None if bias is None else jnp.zeros(bias.shape, acc_dtype))
-    (d_q, d_bias), (d_k, d_v) = lax.scan(
-        key_block, init, jnp.arange(plan.num_k_blocks, dtype=jnp.int32))
-    return d_q, d_k.reshape(k.shape), d_v.reshape(v.shape), d_bias
+            None if bias is None else jnp.zeros(bias.shape, acc_dtype),
+            [jnp.zeros(c.shape, c.dtype if ok else acc_dtype)
+             for c, ok in zip(consts, differentiable)])
+    (full_list, full_count), (partial_list, partial_count) = cols
+    xs = (jnp.arange(plan.num_k_blocks, dtype=jnp.int32), (full_list, full_count),
+          (partial_list, partial_count))
+    (d_q, d_bias, d_consts), (d_k, d_v) = lax.scan(key_block, init, xs)
+    d_sink = None
+    if sink is not None:
+        # The sink is a column of every row with a zero value vector: dp = 0 there.
+        d_sink = -jnp.sum(jnp.exp(sink.astype(acc_dtype) - lse) * delta)
+    d_consts = [d if ok else None for d, ok in zip(d_consts, differentiable)]
+    return d_q, d_k.reshape(k.shape), d_v.reshape(v.shape), d_bias, d_sink, d_consts
 
 
 def _add_block(total, block, row, col):
@@ -314,111 +302,96 @@ def _add_block(total, block, row, col):
     return lax.dynamic_update_slice(total, current + block, (row, col))
 
 
-@functools.lru_cache(maxsize=None)
-def _attention_fn(plan: _Plan):
-    """The custom-VJP attention for one plan, on block-padded arrays."""
+def _kernel(plan: _Plan, mod):
+    """The custom-VJP attention of one plan, on block-padded arrays: `(out, lse)`."""
 
     @jax.custom_vjp
-    def attend(q, k, v, bias, mask, query_length, key_length, dropout_key):
-        blocks = _Blocks(plan, bias, mask, query_length, key_length, dropout_key)
-        return _forward(plan, q, k, v, blocks)[0]
+    def attend(q, k, v, bias, sink, consts, mask, dropout_key, rows, cols):
+        blocks = _Blocks(plan, mask, bias, mod, dropout_key)
+        return _forward(plan, q, k, v, blocks, sink, consts, rows)
 
-    def forward(q, k, v, bias, mask, query_length, key_length, dropout_key):
-        blocks = _Blocks(plan, bias, mask, query_length, key_length, dropout_key)
-        out, lse = _forward(plan, q, k, v, blocks)
-        return out, (q, k, v, bias, mask, query_length, key_length, dropout_key, out, lse)
+    def forward(q, k, v, bias, sink, consts, mask, dropout_key, rows, cols):
+        blocks = _Blocks(plan, mask, bias, mod, dropout_key)
+        out, lse = _forward(plan, q, k, v, blocks, sink, consts, rows)
+        return (out, lse), (q, k, v, bias, sink, consts, mask, dropout_key, cols, out, lse)
 
-    def backward(residuals, d_out):
-        q, k, v, bias, mask, query_length, key_length, dropout_key, out, lse = residuals
-        blocks = _Blocks(plan, bias, mask, query_length, key_length, dropout_key)
+    def backward(residuals, cotangents):
+        q, k, v, bias, sink, consts, mask, dropout_key, cols, out, lse = residuals
+        d_out, d_lse = cotangents
+        blocks = _Blocks(plan, mask, bias, mod, dropout_key)
         # q entered pre-scaled: autodiff of that multiply applies the scale to d_q.
-        d_q, d_k, d_v, d_bias = _backward(plan, q, k, v, blocks, out, lse, d_out)
+        d_q, d_k, d_v, d_bias, d_sink, d_consts = _backward(
+            plan, q, k, v, blocks, sink, consts, cols, out, lse, d_out, d_lse)
         return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
                 None if bias is None else d_bias.astype(bias.dtype),
+                None if sink is None else d_sink.astype(sink.dtype),
+                [None if d is None else d.astype(c.dtype) for d, c in zip(d_consts, consts)],
                 None, None, None, None)
 
     attend.defvjp(forward, backward)
     return attend
 
 
-def _scaled_and_padded(plan: _Plan, q, k, v):
-    """q scaled (once, rather than every [bq, bk] block of logits), and q, k, v
-    zero-padded to whole blocks."""
-    tq, sk = plan.num_q_blocks * plan.block_q, plan.num_k_blocks * plan.block_k
-    q = _pad_to(q * jnp.asarray(plan.scale, q.dtype), tq, 0)
-    return q, _pad_to(k, sk, 0), _pad_to(v, sk, 0)
-
-
-def block_sizes(t: int, s: int, block_q: int | None, block_k: int | None) -> tuple[int, int]:
-    """Blocks no larger than the (rounded-up) sequences, for short inputs."""
-    def fit(requested, default, length):
-        size = default if requested is None else requested
-        return min(size, max(8, -(-length // 8) * 8))
-    return fit(block_q, DEFAULT_BLOCK_Q, t), fit(block_k, DEFAULT_BLOCK_K, s)
-
-
-def chunked_attention(
-    q: Float[ArrayLike, "T H"],
-    k: Float[ArrayLike, "S H"],
-    v: Float[ArrayLike, "S V"],
-    *,
-    bias: Float[ArrayLike, "#T #S"] | None,
-    mask: Bool[ArrayLike, "#T #S"] | None,
-    query_length: Int[ArrayLike, ""] | None,
-    key_length: Int[ArrayLike, ""] | None,
-    is_causal: bool,
-    window: tuple[int, int] | None,
-    scale: float,
-    dropout_rate: float,
-    dropout_key: Array | None,
-    return_weights: bool,
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> tuple[Float[Array, "T V"], None]:
-    """Attention of one head in blocks; the same numbers as `dense_attention`."""
-    del return_weights  # refused by the batched API: chunked never forms the weights
+def _prepare(q, k, v, mask: Mask, score: Score, options: Options):
+    """The plan, the block-padded inputs, the visit lists and the converted score_mod."""
     t, s = q.shape[0], k.shape[0]
-    block_q, block_k = block_sizes(t, s, block_q, block_k)
-    plan = _Plan(t, s, block_q, block_k, is_causal, window, scale, dropout_rate)
-    tq, sk = plan.num_q_blocks * block_q, plan.num_k_blocks * block_k
-    q, k, v = _scaled_and_padded(plan, q, k, v)
-    bias = _pad_to(_pad_to(bias, tq, 0), sk, 1)
-    mask = _pad_to(_pad_to(mask, tq, 0), sk, 1)
-    if query_length is not None:
-        query_length = query_length.astype(jnp.int32)
-    if key_length is not None:
-        key_length = key_length.astype(jnp.int32)
-    out = _attention_fn(plan)(q, k, v, bias, mask, query_length, key_length, dropout_key)
-    return out[:t], None
+    plan = _Plan(t, s, *block_sizes(t, s, options.block_q, options.block_k),
+                 options.dropout_rate)
+    mask = mask.padded(plan.padded_t, plan.padded_s)
+    table = _table(plan, mask)
+    # q scaled once, rather than every [bq, bk] block of logits.
+    q = _pad_axis(q * jnp.asarray(score.scale, q.dtype), plan.padded_t, 0)
+    k, v = _pad_axis(k, plan.padded_s, 0), _pad_axis(v, plan.padded_s, 0)
+    bias = None if score.bias is None else _pad_axis(
+        _pad_axis(score.bias, plan.padded_t, 0), plan.padded_s, 1)
+    mod, consts = None, []
+    if score.mod is not None:
+        # Hoist the arrays score_mod closes over into arguments of the custom VJP, so
+        # that their gradients can be returned.
+        example = (jnp.zeros((plan.block_q, plan.block_k), _logits_dtype(q.dtype)),
+                   jnp.int32(0), jnp.int32(0), jnp.zeros((plan.block_q, 1), jnp.int32),
+                   jnp.zeros((1, plan.block_k), jnp.int32))
+        mod, consts = jax.closure_convert(score.mod, *example)
+    return plan, q, k, v, bias, mask, table, mod, list(consts)
 
 
-def _plain_plan(q, k, is_causal: bool, scale: float):
-    """Plan and blocks of unmasked (or plainly causal) attention, for the ring's blocks."""
-    t, s = q.shape[0], k.shape[0]
-    block_q, block_k = block_sizes(t, s, None, None)
-    plan = _Plan(t, s, block_q, block_k, is_causal, None, scale, 0.0)
-    return plan, _Blocks(plan, None, None, None, None, None)
+def attend(
+    q: Float[Array, "T H"],
+    k: Float[Array, "S H"],
+    v: Float[Array, "S V"],
+    mask: Mask,
+    score: Score,
+    options: Options,
+) -> tuple[Float[Array, "T V"], Float[Array, " T"], None]:
+    """Output `[T, V]` and log-sum-exp `[T]` of one head in blocks: the numbers of
+    `attnjax.dense.attend` (which alone returns weights)."""
+    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score, options)
+    out, lse = _kernel(plan, mod)(q, k, v, bias, score.sinks, consts, mask,
+                                  options.dropout_key, _visits(table), _visits(table.T))
+    return out[: plan.t], lse[: plan.t], None
 
 
-def forward_with_lse(q: Float[Array, "T H"], k: Float[Array, "S H"], v: Float[Array, "S V"], *,
-                     is_causal: bool, scale: float) -> tuple[Float[Array, "T V"], Float[Array, "T"]]:
-    """Output and float32 log-sum-exp `[T]` (−inf where no key is visible) of one head
-    with no mask, bias, lengths or dropout. Not differentiable: its pair
-    `backward_with_lse` is, given the output and log-sum-exp of the whole row."""
-    plan, blocks = _plain_plan(q, k, is_causal, scale)
-    out, lse = _forward(plan, *_scaled_and_padded(plan, q, k, v), blocks)
+def forward_with_lse(q, k, v, mask: Mask, score: Score):
+    """Output `[T, V]` and log-sum-exp `[T]` of one head against these keys only (no
+    dropout, no sinks). Not differentiable itself: its pair `backward_with_lse` is,
+    given the output and log-sum-exp of the whole row. For ring attention."""
+    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score, Options())
+    blocks = _Blocks(plan, mask, bias, mod, None)
+    out, lse = _forward(plan, q, k, v, blocks, None, consts, _visits(table))
     return out[: plan.t], lse[: plan.t]
 
 
-def backward_with_lse(q, k, v, out, lse, d_out, *, is_causal: bool, scale: float):
-    """float32 `(d_q, d_k, d_v)` of this block's share of a row's attention.
+def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out):
+    """float32 `(d_q, d_k, d_v)` of these keys' share of each row's attention.
 
-    out, lse and d_out are of the whole row (every key block together): the block's
-    weights are exp(logits − lse), so the blocks' gradients add up to the row's.
+    out, lse and d_out are of the whole row (every key shard together): this share's
+    weights are exp(logits − lse), so the shares' gradients add up to the row's.
     """
-    plan, blocks = _plain_plan(q, k, is_causal, scale)
-    pad_q = functools.partial(_pad_to, size=plan.num_q_blocks * plan.block_q, axis=0)
-    d_q, d_k, d_v, _ = _backward(plan, *_scaled_and_padded(plan, q, k, v), blocks, pad_q(out),
-                                 pad_q(lse), pad_q(d_out))
+    scale = score.scale
+    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score, Options())
+    blocks = _Blocks(plan, mask, bias, mod, None)
+    pad_q = functools.partial(_pad_axis, size=plan.padded_t, axis=0)
+    d_q, d_k, d_v, *_ = _backward(plan, q, k, v, blocks, None, consts, _visits(table.T),
+                                  pad_q(out), pad_q(lse), pad_q(d_out), None)
     # q entered pre-scaled: the chain rule applies the scale to d_q
     return d_q[: plan.t] * scale, d_k[: plan.s], d_v[: plan.s]

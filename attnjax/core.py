@@ -14,6 +14,7 @@ key gets weights and output of exactly zero, with zero gradients, never NaN.
 from collections.abc import Callable
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float
 
@@ -23,21 +24,50 @@ from attnjax.scores import _logits_dtype, scaled_dot_score
 ScoreFn = Callable[[ArrayLike, Array], Array]
 
 
+# Masked logits take this large negative finite value, never −inf: nothing inside attnjax
+# creates an inf or a NaN (users run under jax.debug_infs / debug_nans). A row's running
+# maximum never starts below FLOOR, so exp(MASKED − max) is exactly 0 and masked entries
+# need no second select after the exponential.
+MASKED = -0.7 * float(np.finfo(np.float32).max)
+FLOOR = MASKED / 2
+
+
+def softmax_and_lse(
+    logits: Float[ArrayLike, "T S"],
+    mask: Bool[ArrayLike, "#T #S"] | None = None,
+    sink: Float[ArrayLike, ""] | None = None,
+) -> tuple[Float[Array, "T S"], Float[Array, " T"]]:
+    """Row-wise softmax over the visible entries, and each row's log-sum-exp.
+
+    `sink` is one extra logit in every row's denominator whose value vector is zero
+    (attention sinks): it takes weight without adding to the output. A row with nothing
+    visible and no sink has all-zero weights and log-sum-exp MASKED.
+    """
+    if mask is not None:
+        logits = jnp.where(mask, logits, MASKED)
+    # [T, 1]: the max only shifts the exponent for range; the softmax does not depend on it.
+    row_max = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), FLOOR)
+    if sink is not None:
+        sink = jnp.asarray(sink, logits.dtype)
+        row_max = jnp.maximum(row_max, sink)
+    row_max = lax.stop_gradient(row_max)
+    # [T, S]
+    unnormalised = jnp.exp(logits - row_max)
+    # [T, 1]
+    total = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + jnp.exp(sink - row_max)
+    seen = total > 0
+    safe_total = jnp.where(seen, total, 1.0)
+    lse = jnp.where(seen, row_max + jnp.log(safe_total), MASKED)
+    return unnormalised / safe_total, lse[:, 0]
+
+
 def masked_softmax(
     logits: Float[ArrayLike, "T S"], mask: Bool[ArrayLike, "#T #S"] | None = None
 ) -> Float[ArrayLike, "T S"]:
     """Row-wise softmax over the visible entries; rows with none visible are all zero."""
-    if mask is not None:
-        logits = jnp.where(mask, logits, -jnp.inf)
-    # The max only shifts the exponent for range; the softmax does not depend on it.
-    row_max = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    # A row that sees no key has max −inf: shift by 0 so exp gives 0, not exp(nan).
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    # [T, S]
-    unnormalised = jnp.exp(logits - row_max)
-    # [T, 1]
-    denominator = jnp.sum(unnormalised, axis=-1, keepdims=True)
-    return unnormalised / jnp.where(denominator > 0, denominator, 1.0)
+    return softmax_and_lse(logits, mask)[0]
 
 
 def logits(

@@ -1,17 +1,18 @@
 """The cuDNN implementation: delegates to `jax.nn.dot_product_attention` on a GPU.
 
-Only for the options cuDNN's fused kernel supports; anything else is a clear error
-rather than a silent fallback, so a user who asked for cuDNN knows what ran.
+Only for what cuDNN's fused kernel supports (bool array masks and jax.nn's keywords);
+anything else is a clear error rather than a silent fallback, so a user who asked for
+cuDNN knows what ran.
 """
 
 import jax
 import jax.numpy as jnp
 
+from attnjax.masks import Mask
 
-def attention(
-    query, key, value, bias, mask, *, scale, is_causal, query_lengths, key_lengths,
-    window, dropout_rate,
-):
+
+def attention(query, key, value, score, options, *, mask, is_causal, query_lengths,
+              key_lengths, window, positions):
     """`[B, T, N, H]` attention through cuDNN; arguments already validated."""
     platform = jax.default_backend()
     if platform != "gpu":
@@ -20,8 +21,16 @@ def attention(
             "Use implementation=None or 'dense'"
         )
     unsupported = []
-    if dropout_rate > 0.0:
-        unsupported.append(f"dropout_rate={dropout_rate}")
+    if isinstance(mask, Mask):
+        unsupported.append("an attnjax.Mask (pass a bool array or the jax.nn keywords)")
+    for name, given in (("positions", positions is not None),
+                        ("score_mod", score.mod is not None),
+                        ("sinks", score.sinks is not None),
+                        ("return_residual", options.return_residual)):
+        if given:
+            unsupported.append(name)
+    if options.dropout_rate > 0.0:
+        unsupported.append(f"dropout_rate={options.dropout_rate}")
     if value.shape[-1] != query.shape[-1]:
         unsupported.append(f"value head dim V={value.shape[-1]} != H={query.shape[-1]}")
     if is_causal and query.shape[1] != key.shape[1]:
@@ -33,8 +42,9 @@ def attention(
         unsupported.append(f"dtype {query.dtype} (cuDNN takes float16 or bfloat16)")
     if unsupported:
         raise ValueError("implementation='cudnn' does not support " + "; ".join(unsupported))
+    bias = None if score.bias is None else score.bias
     return jax.nn.dot_product_attention(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query, key, value, bias, mask, scale=score.scale, is_causal=is_causal,
         query_seq_lengths=query_lengths, key_value_seq_lengths=key_lengths,
         local_window_size=window, implementation="cudnn",
     )

@@ -1,54 +1,50 @@
-"""The dense implementation: one head, all T×S weights materialised.
+"""The dense kernel: one head, all T×S logits materialised.
 
-The reference implementation, and the only one that can return the weights. The batched
-API (`attnjax.attention.dot_product_attention`) vmaps it over heads and batch.
+The reference kernel, and the only one that can return the weights or use a learned
+alignment function. It evaluates the Mask on the whole `[T, S]` grid and autodiff
+differentiates everything, score_mod and sinks included. The batched API
+(`attnjax.attention`) vmaps it over heads and batch.
 """
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, Float
 
-from attnjax import core, masks
+from attnjax import core
+from attnjax.masks import Mask
+from attnjax.options import Options
+from attnjax.scores import Score, _logits_dtype
 
 
-def dense_attention(
-    q: Float[ArrayLike, "T H"],
-    k: Float[ArrayLike, "S H"],
-    v: Float[ArrayLike, "S V"],
-    *,
-    bias: Float[ArrayLike, "#T #S"] | None,
-    mask: Bool[ArrayLike, "#T #S"] | None,
-    query_length: Int[ArrayLike, ""] | None,
-    key_length: Int[ArrayLike, ""] | None,
-    is_causal: bool,
-    window: tuple[int, int] | None,
-    scale: float | None,
-    dropout_rate: float,
-    dropout_key: Array | None,
-    return_weights: bool,
-    score_fn=None,
-) -> tuple[Float[ArrayLike, "T V"], Float[ArrayLike, "T S"] | None]:
-    """Attention of one head with every mask applied; weights before dropout if asked."""
-    num_queries, num_keys = q.shape[0], k.shape[0]
-    q_pos, k_pos = masks.positions(num_queries, num_keys)
-    # [T, S] or None: the structural rule (causal, window, lengths) and the user's mask.
-    visible = masks.visible(
-        q_pos,
-        k_pos,
-        num_queries=num_queries,
-        num_keys=num_keys,
-        is_causal=is_causal,
-        window=window,
-        query_length=query_length,
-        key_length=key_length,
-    )
-    visible = masks.combine_masks(visible, mask)
-    # [T, S], float32; a custom alignment replaces the scaled dot product and its scale.
-    scores = core.logits(q, k, bias=bias, scale=None if score_fn else scale, score_fn=score_fn)
-    weights = core.masked_softmax(scores, visible)
+def attend(
+    q: Float[Array, "T _Hq"],
+    k: Float[Array, "S _Hk"],
+    v: Float[Array, "S V"],
+    mask: Mask,
+    score: Score,
+    options: Options,
+) -> tuple[Float[Array, "T V"], Float[Array, " T"], Float[Array, "T S"] | None]:
+    """Output `[T, V]`, log-sum-exp `[T]` and, if asked, the weights `[T, S]` (before
+    dropout) of one head."""
+    t, s = q.shape[0], k.shape[0]
+    at = mask.coords(0, t, 0, s)
+    acc = _logits_dtype(q.dtype)
+    if score.align is None:
+        # Scaling the [T, H] queries costs T·H multiplies instead of T·S on the logits.
+        q = q * jnp.asarray(score.scale, q.dtype)
+        # [T, S]
+        logits = jnp.einsum("TH,SH->TS", q, k, preferred_element_type=acc)
+    else:
+        logits = score.align(q, k, **score.align_params).astype(acc)
+    if score.bias is not None:
+        logits = logits + score.bias.astype(acc)
+    logits = score.modify(logits, at)
+    visible = None if mask.is_everything else mask.visible(at)
+    weights, lse = core.softmax_and_lse(logits, visible, score.sinks)
     mixed = weights
-    if dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, weights.shape)
-        mixed = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    if options.dropout_rate > 0.0:
+        keep = jax.random.bernoulli(options.dropout_key, 1.0 - options.dropout_rate,
+                                    weights.shape)
+        mixed = jnp.where(keep, weights / (1.0 - options.dropout_rate), 0.0)
     out = core.mix_values(mixed, v)
-    return out, (weights.astype(q.dtype) if return_weights else None)
+    return out, lse, (weights.astype(q.dtype) if options.return_weights else None)

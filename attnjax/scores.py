@@ -1,4 +1,6 @@
-"""Alignment functions: how much query i attends to key j, before the softmax.
+"""Scores: alignment functions, score modifications, and the score spec of one call.
+
+Alignment functions say how much query i attends to key j, before the softmax.
 
 Each takes one example and one head, q `[T, H]` and k `[S, H]` (the additive and
 bilinear forms allow different query and key widths), and returns logits `[T, S]`.
@@ -8,12 +10,21 @@ fits the `score_fn(q, k)` slot of `attnjax.attention`:
     score_fn = functools.partial(attnjax.general_score, w=w)   # w [Hq, Hk]
 
 Logits are accumulated in float32 (float64 for float64 inputs), whatever the input dtype.
+
+Score modifications (`soft_cap`, `alibi`, `relative_position_bias`, or any
+`score_mod(score, b, n, q_pos, k_pos)`, FlexAttention's signature) change the scaled
+logits elementwise before masking; `Score` gathers what one call does to its logits.
 """
 
-import jax.numpy as jnp
-from jaxtyping import ArrayLike, Float
+import math
+from collections.abc import Callable
+from typing import Any
 
-from attnjax import _checks
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float
+
+from attnjax import _checks, _pytree
 
 
 def _logits_dtype(dtype) -> jnp.dtype:
@@ -81,3 +92,147 @@ def additive_score(
     hidden = jnp.tanh(qa[:, None, :] + ka[None, :, :])
     # [T, S]
     return jnp.einsum("TSA,A->TS", hidden, v.astype(acc))
+
+
+# --------------------------------------------------------------------------------------
+# Score modifications: score_mod(score, b, n, q_pos, k_pos) -> score, elementwise on the
+# scaled logits (plus bias) of one head, before masking. b and n are int32 scalars (the
+# example and the query head), q_pos `[T, 1]` and k_pos `[1, S]` int32 positions (see
+# attnjax.masks), score float32 (float64 for float64 inputs). Arrays a score_mod closes
+# over receive gradients in every implementation.
+
+ScoreMod = Callable[[Array, Array, Array, Array, Array], Array]
+
+
+def soft_cap(cap: float) -> ScoreMod:
+    """cap · tanh(score / cap): logits squashed into (−cap, cap) (Gemma 2, Grok)."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
+            math.isfinite(cap) and cap > 0):
+        raise ValueError(f"soft_cap needs a positive finite cap; got {cap!r}")
+    cap = float(cap)
+
+    def mod(score, b, n, q_pos, k_pos):
+        return cap * jnp.tanh(score / cap)
+
+    return mod
+
+
+def alibi_slopes(num_heads: int) -> Array:
+    """`[N]` the ALiBi paper's head slopes, 2^(−8·(n+1)/N) (geometric; for N a power of
+    two exactly the paper's, otherwise the same formula)."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
+    return jnp.asarray(2.0 ** (-8.0 * (np.arange(num_heads) + 1) / num_heads), jnp.float32)
+
+
+def alibi(slopes: Float[ArrayLike, " N"]) -> ScoreMod:
+    """ALiBi: score − slopes[n] · |q_pos − k_pos| (with a causal mask, the paper's
+    m·(j − i)). slopes `[N]`, one per query head; learnable (gradients reach it)."""
+    slopes = jnp.asarray(slopes)
+    if slopes.ndim != 1 or not jnp.issubdtype(slopes.dtype, jnp.floating):
+        raise ValueError(f"alibi slopes must be a float array [N]; got {slopes.dtype} "
+                         f"{_checks.shape_str(slopes.shape)}")
+
+    def mod(score, b, n, q_pos, k_pos):
+        distance = jnp.abs(q_pos - k_pos).astype(score.dtype)
+        return score - slopes[n].astype(score.dtype) * distance
+
+    return mod
+
+
+def relative_position_bucket(relative_position, *, num_buckets: int, max_distance: int,
+                             bidirectional: bool):
+    """T5's bucket of k_pos − q_pos: exact below num_buckets/2 (per direction), then
+    logarithmic up to max_distance, and the last bucket beyond."""
+    bucket = jnp.zeros_like(relative_position)
+    n = -relative_position
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (n < 0).astype(bucket.dtype) * num_buckets
+        n = jnp.abs(n)
+    else:
+        n = jnp.maximum(n, 0)
+    exact = num_buckets // 2
+    # log of at least `exact`, so that no log(0) is ever formed
+    far = jnp.maximum(n, exact).astype(jnp.float32)
+    log_bucket = exact + (jnp.log(far / exact) / math.log(max_distance / exact)
+                          * (num_buckets - exact)).astype(bucket.dtype)
+    log_bucket = jnp.minimum(log_bucket, num_buckets - 1)
+    return bucket + jnp.where(n < exact, n, log_bucket)
+
+
+def relative_position_bias(table: Float[ArrayLike, "buckets N"], *, num_buckets: int = 32,
+                           max_distance: int = 128, bidirectional: bool = True) -> ScoreMod:
+    """T5's relative position bias: score + table[bucket(k_pos − q_pos), n].
+
+    table `[num_buckets, N]`, learnable; buckets as in T5 (`relative_position_bucket`).
+    """
+    table = jnp.asarray(table)
+    if table.ndim != 2 or table.shape[0] != num_buckets or not jnp.issubdtype(
+            table.dtype, jnp.floating):
+        raise ValueError(f"relative_position_bias table must be a float array "
+                         f"[num_buckets={num_buckets}, N]; got {table.dtype} "
+                         f"{_checks.shape_str(table.shape)}")
+    for name, value in (("num_buckets", num_buckets), ("max_distance", max_distance)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise ValueError(f"{name} must be an int ≥ 2; got {value!r}")
+    if max_distance <= num_buckets // (4 if bidirectional else 2):
+        raise ValueError(f"max_distance={max_distance} must exceed the exact range "
+                         f"{num_buckets // (4 if bidirectional else 2)} of num_buckets="
+                         f"{num_buckets}")
+
+    def mod(score, b, n, q_pos, k_pos):
+        bucket = relative_position_bucket(k_pos - q_pos, num_buckets=num_buckets,
+                                          max_distance=max_distance,
+                                          bidirectional=bidirectional)
+        return score + table[bucket, n].astype(score.dtype)
+
+    return mod
+
+
+def chain(*mods: ScoreMod) -> ScoreMod:
+    """One score_mod applying each of `mods` in turn: `chain(alibi(m), soft_cap(30))`."""
+    for i, fn in enumerate(mods):
+        if not callable(fn):
+            raise TypeError(f"chain's argument {i} must be a score_mod; got {type(fn).__name__}")
+
+    def mod(score, b, n, q_pos, k_pos):
+        for fn in mods:
+            score = fn(score, b, n, q_pos, k_pos)
+        return score
+
+    return mod
+
+
+# --------------------------------------------------------------------------------------
+# The score spec of one call.
+
+
+@_pytree.dataclass(data=("bias", "sinks", "align_params"), meta=("scale", "mod", "align"))
+class Score:
+    """How one attention call turns q and k into logits, and what joins its softmax.
+
+    logits = score_mod(align(q, k) + bias), where align is the scaled dot product
+    q·kᵀ·scale (or a learned alignment function with per-head parameters, dense only);
+    then masking; `sinks` (one logit per query head) join every row's softmax
+    denominator with a zero value vector. After binding, arrays are laid out per head
+    as `[B|1, N|1, ...]` like the Mask's.
+    """
+
+    scale: float | None = None
+    mod: ScoreMod | None = None
+    align: Callable | None = None
+    bias: Any = None
+    sinks: Any = None
+    align_params: Any = None
+
+    def modify(self, logits, at):
+        """logits + nothing else: the score_mod applied at the coordinates `at`."""
+        if self.mod is None:
+            return logits
+        out = self.mod(logits, at.b, at.n, at.q_pos, at.k_pos)
+        if getattr(out, "shape", None) != logits.shape:
+            raise ValueError(f"score_mod must return the score's shape "
+                             f"{_checks.shape_str(logits.shape)}; got "
+                             f"{_checks.shape_str(jnp.shape(out))}")
+        return out.astype(logits.dtype)

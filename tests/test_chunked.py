@@ -1,5 +1,7 @@
 """The chunked implementation computes the dense numbers in O(T + S) memory."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnjax
-from attnjax import chunked
+from attnjax import chunked, masks
 from tests import reference
 
 # (B, T, S, N, K, H, V, block sizes): no length a multiple of its block in most rows.
@@ -146,45 +148,44 @@ def test_dropout_is_deterministic_per_rng_and_unbiased():
 
 @pytest.mark.parametrize("is_causal, window", [(True, None), (False, (5, 2)), (True, (9, 0))])
 @pytest.mark.parametrize("t, s", [(40, 40), (24, 61), (50, 17)])
-def test_block_ranges_are_exactly_the_blocks_with_a_visible_pair(t, s, is_causal, window):
-    """Skipped blocks are entirely masked, and every entirely masked block is skipped."""
-    plan = chunked._Plan(t, s, 8, 16, is_causal, window, 1.0, 0.0)
+def test_block_classes_are_sound_and_skip_the_masked_blocks(t, s, is_causal, window):
+    """SKIP blocks hold no visible pair and FULL blocks are visible whole (key padding
+    past S counts as hidden); for one rule alone the classes are exact: every block
+    with no visible pair is skipped and every block visible whole runs unmasked."""
     q_len, k_len = t - 3, s - 5
-    seen = reference.visible(t, s, is_causal=is_causal, window=window,
-                             query_length=q_len, key_length=k_len)
-    padded = np.zeros((plan.num_q_blocks * 8, plan.num_k_blocks * 16), bool)
-    padded[:t, :s] = seen
-    # [nq, nk]: does block (i, j) hold any visible pair?
-    live = padded.reshape(plan.num_q_blocks, 8, plan.num_k_blocks, 16).any(axis=(1, 3))
-    for i in range(plan.num_q_blocks):
-        lo, hi = plan.key_blocks(jnp.int32(i), jnp.int32(q_len), jnp.int32(k_len))
-        np.testing.assert_array_equal(np.arange(plan.num_k_blocks)[live[i]],
-                                      np.arange(int(lo), int(hi))[live[i, int(lo):int(hi)]])
-        assert live[i, int(lo):int(hi)].all() or not live[i].any() or is_causal or window
-    for j in range(plan.num_k_blocks):
-        lo, hi = plan.query_blocks(jnp.int32(j), jnp.int32(q_len), jnp.int32(k_len))
-        assert set(np.flatnonzero(live[:, j])) <= set(range(int(lo), int(hi)))
-    # Blocks run without a mask really are visible whole (padded query rows aside), and
-    # the interior of a causal or windowed pattern does run without one.
-    real = np.zeros_like(padded)
-    real[:t, :] = True
-    whole = (padded | ~real).reshape(plan.num_q_blocks, 8, plan.num_k_blocks, 16).all(axis=(1, 3))
-    unmasked_pairs = set()
-    for i in range(plan.num_q_blocks):
-        lo, hi = plan.unmasked_key_blocks(jnp.int32(i), jnp.int32(q_len), jnp.int32(k_len))
-        assert whole[i, int(lo):int(hi)].all(), (i, int(lo), int(hi))
-        unmasked_pairs |= {(i, j) for j in range(int(lo), int(hi))}
-    for j in range(plan.num_k_blocks):
-        lo, hi = plan.unmasked_query_blocks(jnp.int32(j), jnp.int32(q_len), jnp.int32(k_len))
-        assert whole[int(lo):int(hi), j].all(), (j, int(lo), int(hi))
-    interior = {(i, j) for i, j in zip(*np.nonzero(whole)) if (i + 1) * 8 <= q_len
-                and (j + 1) * 16 <= k_len}
-    assert unmasked_pairs == interior
-    # Blocks skipped: causal skips about half of them.
+    rules = {"causal": masks.causal() if is_causal else None,
+             "window": masks.window(*window) if window else None,
+             "lengths": masks.lengths(jnp.array([q_len]), jnp.array([k_len]))}
+    plan = chunked._Plan(t, s, 8, 16, 0.0)
+    real = np.zeros((plan.padded_t, plan.padded_s), bool)
+    real[:t, :s] = True
+
+    def classes_and_truth(mask, **rule):
+        seen = np.zeros_like(real)
+        seen[:t, :s] = reference.visible(t, s, **rule)
+        bound = mask.bind(masks.Shape(1, t, s, 1))
+        head = jax.tree.map(lambda x: x[0, 0], bound).padded(plan.padded_t, plan.padded_s)
+        table = np.asarray(chunked._table(plan, head))
+        blocks = (plan.num_q_blocks, 8, plan.num_k_blocks, 16)
+        live = seen.reshape(blocks).any(axis=(1, 3))
+        # padded query rows are dropped, so they do not make a block partial
+        whole = (seen | ~real.any(axis=1, keepdims=True)).reshape(blocks).all(axis=(1, 3))
+        return table, live, whole
+
+    parts = [(m, kw) for m, kw in (
+        (rules["causal"], dict(is_causal=True)), (rules["window"], dict(window=window)),
+        (rules["lengths"], dict(query_length=q_len, key_length=k_len))) if m is not None]
+    combined = functools.reduce(lambda a, b: a & b, [m for m, _ in parts])
+    table, live, whole = classes_and_truth(
+        combined, **{k: v for _, kw in parts for k, v in kw.items()})
+    assert not live[table == masks.SKIP].any()
+    assert whole[table == masks.FULL].all()
     if is_causal and window is None and t == s:
-        computed = sum(int(h) - int(l) for l, h in (
-            plan.key_blocks(jnp.int32(i), None, None) for i in range(plan.num_q_blocks)))
-        assert computed < 0.7 * plan.num_q_blocks * plan.num_k_blocks
+        assert (table != masks.SKIP).sum() < 0.7 * table.size
+    for mask, rule in parts:
+        table, live, whole = classes_and_truth(mask, **rule)
+        np.testing.assert_array_equal(table != masks.SKIP, live)
+        np.testing.assert_array_equal(table == masks.FULL, whole)
 
 
 def test_chunked_forward_memory_is_under_a_sixteenth_of_dense_at_8192():

@@ -2,7 +2,7 @@
 
 The module holds the parameters (the tree of `flax.linen.MultiHeadDotProductAttention`)
 and the KV cache; projections and attention are `attnjax.multi_head` and
-`attnjax.dot_product_attention` (or `attnjax.score_attention` for the learned scores).
+`attnjax.dot_product_attention`.
 """
 
 import math
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from attnjax import _checks, masks, multi_head, scores
-from attnjax.attention import dot_product_attention, score_attention
+from attnjax.attention import dot_product_attention
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
@@ -46,14 +46,17 @@ class MultiHeadAttention(nn.Module):
     param_dtype, qkv_features, out_features, broadcast_dropout, dropout_rate,
     deterministic, kernel_init, bias_init, use_bias, decode. attnjax's own:
     num_kv_heads (K < N: grouped-query, 1: multi-query attention), is_causal
-    (bottom-right aligned), window, implementation, and score: "scaled_dot" (default),
+    (bottom-right aligned) and window (both read positions), score_mod (applied to
+    every call's logits, see `attnjax.scores`), use_sinks (a learned `[N]` sink logit
+    per head, parameter "sinks"), implementation, and score: "scaled_dot" (default),
     "dot" (unscaled), "general" (q W_n kᵀ with a learned `[N, H, H]` W) or "additive"
     (v_nᵀ tanh(W_q q + W_k k) with learned `[N, H, H]`, `[N, H, H]`, `[N, H]`).
 
     With decode=True, `init` on a full-length input sizes the cache, and each
     `apply(..., mutable=["cache"])` appends any number of new tokens (a chunked prefill,
     then one at a time) that attend to everything cached so far (causally when
-    is_causal). The cache holds the K key/value heads.
+    is_causal). The cache holds the K key/value heads and describes itself by positions
+    and its filled length, so a long cache decodes on the chunked kernel too.
     """
 
     num_heads: int
@@ -71,16 +74,22 @@ class MultiHeadAttention(nn.Module):
     num_kv_heads: int | None = None
     is_causal: bool = False
     window: int | tuple[int, int] | None = None
+    score_mod: Callable | None = None
+    use_sinks: bool = False
     implementation: str | None = None
     score: str = "scaled_dot"
 
     @nn.compact
-    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
-                 query_lengths=None, key_lengths=None, deterministic=None, dropout_rng=None,
-                 sow_weights=False):
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
+                 deterministic=None, dropout_rng=None, sow_weights=False,
+                 **attention_options):
         """inputs_q `[B, T, D]`, inputs_k `[B, S, Dk]` (default inputs_q), inputs_v
-        `[B, S, Dv]` (default inputs_k) -> `[B, T, F]`. mask, bias, query_lengths and
-        key_lengths as for `attnjax.dot_product_attention`."""
+        `[B, S, Dv]` (default inputs_k) -> `[B, T, F]`.
+
+        mask: a bool array broadcastable to `[B, N, T, S]` or an `attnjax.Mask`, combined
+        with the module's is_causal and window. attention_options: any other keyword of
+        `attnjax.dot_product_attention` (bias, query_lengths, key_lengths, positions,
+        score_mod, sinks, ...)."""
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v
         dtype = self.dtype or inputs_q.dtype
@@ -91,13 +100,13 @@ class MultiHeadAttention(nn.Module):
         # [B, S, K, H], [B, S, K, V]
         key, value = multi_head.project_key_value(params, inputs_k, inputs_v)
 
-        is_causal, window = self.is_causal, self.window
+        visible = self._mask(mask)
         if self.decode:
             cached = self._update_cache(key, value)
             if cached is not None:  # not the sizing call of `init`
-                key, value, visible = cached
-                mask = masks.combine_masks(mask, visible)
-                is_causal, window = False, None  # folded into `visible`
+                key, value, filled, positions = cached
+                visible = visible & masks.lengths(key=filled)
+                attention_options["positions"] = positions
 
         rate = 0.0
         if self.dropout_rate > 0.0 and not nn.merge_param(
@@ -105,24 +114,35 @@ class MultiHeadAttention(nn.Module):
             rate = self.dropout_rate
         if rate > 0.0 and dropout_rng is None:
             dropout_rng = self.make_rng("dropout")
-        options = dict(
-            bias=bias, mask=mask, is_causal=bool(is_causal), window=window,
-            query_lengths=query_lengths, key_lengths=key_lengths, dropout_rate=rate,
-            dropout_rng=dropout_rng, dropout_broadcast=self.broadcast_dropout,
-            return_weights=sow_weights,
-        )
-        if self.score in ("scaled_dot", "dot"):
-            result = dot_product_attention(
-                query, key, value, scale=1.0 if self.score == "dot" else None,
-                implementation=self.implementation, **options)
-        else:
-            score_fn, score_params = self._score_parameters(head_dim, dtype)
-            result = score_attention(query, key, value, score_fn, score_params, **options)
+        if self.score_mod is not None:
+            attention_options["score_mod"] = self.score_mod
+        if self.use_sinks:
+            attention_options["sinks"] = self.param(
+                "sinks", nn.initializers.zeros_init(), (self.num_heads,), self.param_dtype)
+        if self.score == "dot":
+            attention_options["scale"] = 1.0
+        elif self.score in ("general", "additive"):
+            attention_options["alignment"] = self._alignment(head_dim, dtype)
+        result = dot_product_attention(
+            query, key, value, mask=visible, dropout_rate=rate, dropout_rng=dropout_rng,
+            dropout_broadcast=self.broadcast_dropout, return_weights=sow_weights,
+            implementation=self.implementation, **attention_options)
         heads, weights = result if sow_weights else (result, None)
         if sow_weights:
             self.sow("intermediates", "attention_weights", weights)
         # [B, T, F]
         return multi_head.combine_heads(params, heads)
+
+    def _mask(self, mask) -> masks.Mask:
+        """The module's is_causal and window and the call's mask, as one Mask."""
+        visible = masks.everything()
+        if mask is not None:
+            visible = mask if isinstance(mask, masks.Mask) else masks.from_array(mask)
+        if self.is_causal:
+            visible = visible & masks.causal()
+        if self.window is not None:
+            visible = visible & masks.window(*_checks.resolve_window(self.window))
+        return visible
 
     def _parameters(self, d_q: int, d_k: int, d_v: int):
         if self.score not in SCORES:
@@ -138,7 +158,8 @@ class MultiHeadAttention(nn.Module):
         }
         return params, shapes["query"][1][1]
 
-    def _score_parameters(self, h: int, dtype):
+    def _alignment(self, h: int, dtype):
+        """(score_fn, per-head parameters) of the learned general or additive score."""
         init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         n = self.num_heads
         if self.score == "general":
@@ -153,8 +174,10 @@ class MultiHeadAttention(nn.Module):
         return scores.additive_score, {k: p.astype(dtype) for k, p in params.items()}
 
     def _update_cache(self, key, value):
-        """Append the new keys/values at the cache index: the cached keys, values and
-        their visibility `[1, 1, T, S_cache]`; None on the call that creates the cache."""
+        """Append the new keys/values at the cache index: the cached keys and values,
+        the filled length, and the (query, key) positions — the new queries at
+        start..start+T−1, the cache slots at 0..S_cache−1; None on the call that
+        creates the cache."""
         initialised = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
@@ -170,14 +193,9 @@ class MultiHeadAttention(nn.Module):
         cached_value.value = lax.dynamic_update_slice(
             cached_value.value, value.astype(cached_value.value.dtype), (zero, start, zero, zero))
         index.value = start + new
-        # Query i of this call sits at cache position start + i; positions are absolute,
-        # so the rule is applied with T = S (no alignment offset) and the filled length.
-        q_pos = start + lax.broadcasted_iota(jnp.int32, (new, 1), 0)
-        k_pos = lax.broadcasted_iota(jnp.int32, (1, capacity), 1)
-        visible = masks.visible(
-            q_pos, k_pos, num_queries=capacity, num_keys=capacity, is_causal=self.is_causal,
-            window=_checks.resolve_window(self.window), key_length=start + new)
-        return cached_key.value, cached_value.value, visible[None, None]
+        positions = (start + jnp.arange(new, dtype=jnp.int32),
+                     jnp.arange(capacity, dtype=jnp.int32))
+        return cached_key.value, cached_value.value, start + new, positions
 
 
 def _check_room(start, new: int, capacity: int) -> None:

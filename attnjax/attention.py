@@ -1,24 +1,25 @@
 """Layer 4: batched, multi-head `dot_product_attention` on `[B, T, N, H]` arrays.
 
 The public keywords become one `Mask`, one `Score` and one `Options` here, once, and
-nothing else travels down: a kernel (`attnjax.dense`, `attnjax.chunked`) computes one
-head from `(q, k, v, mask, score, options)` and is vmapped over the query heads of a
-key/value group (G), the key/value heads (K) and the batch (B). Every per-call array
-(segment ids, lengths, positions, bias, sinks, dropout keys) is laid out as
-`[B|1, N|1, ...]` when it is bound, so the same vmap hands each head its own slice.
+nothing else travels down: a kernel takes `(q, k, v, mask, score, options)`. Every
+per-call array (segment ids, lengths, positions, bias, sinks, dropout keys) is laid out
+as `[B|1, N|1, ...]` when it is bound, so that mapping over the batch (B), the key/value
+heads (K) and the query heads of each group (G) hands each head its own slice
+(`attnjax.heads`): the dense kernel is one head mapped so; the chunked kernel maps the
+arithmetic of one block so, inside block loops that run over all heads at once.
 """
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from attnjax import _checks, chunked, cudnn, dense, masks
+from attnjax import _checks, chunked, cudnn, dense, heads, masks
 from attnjax.masks import Mask, Shape
 from attnjax.options import Options
 from attnjax.scores import Score
 
-# name -> (single-head kernel, can it return weights?)
-_KERNELS = {"dense": (dense.attend, True), "chunked": (chunked.attend, False)}
+# name -> can it return the weights?
+_KERNELS = {"dense": True, "chunked": False}
 IMPLEMENTATIONS = ("dense", "chunked", "cudnn")
 
 # implementation=None runs dense while T·S is at most this, chunked above it. Measured
@@ -135,8 +136,7 @@ def dot_product_attention(
         lse = weights = None
     else:
         bound = attention_mask.bind(shape, positions)
-        out, lse, weights = _per_head(_KERNELS[name][0], query, key, value, bound, score,
-                                      options)
+        out, lse, weights = _per_head(name, query, key, value, bound, score, options)
     if shape.unbatched:
         out, lse, weights = (None if x is None else x[0] for x in (out, lse, weights))
     extras = ((weights,) if return_weights else ()) + ((lse,) if return_residual else ())
@@ -298,7 +298,7 @@ def _select_implementation(implementation, return_weights: bool, shape: Shape,
     if name is None:
         small = shape.t * shape.s <= AUTO_CHUNKED_ABOVE
         name = "dense" if return_weights or small or score.align is not None else "chunked"
-    if return_weights and not _KERNELS.get(name, (None, False))[1]:
+    if return_weights and not _KERNELS.get(name, False):
         raise ValueError(
             f"return_weights=True needs implementation='dense' (the only one that "
             f"materialises the [B, N, T, S] weights); got implementation={implementation!r}"
@@ -336,15 +336,22 @@ def _options(shape: Shape, name: str, implementation, dropout_rate, dropout_rng,
 # One kernel, mapped over G, K and B.
 
 
-def _per_head(kernel, query, key, value, mask: Mask, score: Score, options: Options):
-    """`kernel(q [T, H], k [S, H], v [S, V], mask, score, options)` for every example
-    and head: out `[B, T, N, V]`, log-sum-exp `[B, T, N]`, weights `[B, N, T, S]` or
-    None."""
-    b, t, n, _ = query.shape
-    s = key.shape[1]
+def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: Options):
+    """The kernel `name` for every example and head: out `[B, T, N, V]`, log-sum-exp
+    `[B, T, N]`, weights `[B, N, T, S]` or None."""
+    b, t, n, h = query.shape
+    s, kv_heads = key.shape[1], key.shape[2]
+    g = n // kv_heads
+    meta = heads.group((mask, score, options), n, kv_heads)
+    # [B, T, K, G, H]
+    grouped = query.reshape(b, t, kv_heads, g, h)
+    if name == "chunked":  # its block loops run over all heads at once
+        out, lse, weights = chunked.attend(grouped, key, value, *meta)
+    else:
+        out, lse, weights = heads.over_heads(
+            dense.attend, (b, kv_heads, g), ("rows", "kv", "kv", "heads", "heads", "heads"),
+            ("rows", "rows", "heads"))(grouped, key, value, *meta)
     # out [B, T, K, G, V], lse [B, T, K, G], weights [B, K, G, T, S] or None
-    out, lse, weights = map_heads(kernel, query, key, value, (mask, score, options),
-                                  rows_first=(True, True, False))
     return (out.reshape(b, t, n, value.shape[-1]), lse.reshape(b, t, n),
             None if weights is None else weights.reshape(b, n, t, s))
 
@@ -353,47 +360,14 @@ def map_heads(fn, query, key, value, meta, *, rows_first: tuple[bool, ...]):
     """`fn(q [T, H], k [S, H], v [S, V], *meta)` for every example and query head.
 
     query `[B, T, N, H]`, key and value `[B, S, K, ·]` (K divides N); `meta` a tuple of
-    pytrees whose leaves are laid out `[B|1, N|1, ...]` (a bound Mask, Score, Options),
-    each head getting its own slice. fn returns a tuple; output i comes back as
-    `[B, L, K, G, ...]` when `rows_first[i]` (its first axis is a length: rows of the
-    output, gradients of q or k) and as `[B, K, G, ...]` otherwise (None stays None).
+    pytrees laid out `[B|1, N|1, ...]` (a bound Mask, Score, Options), each head getting
+    its own slice. Output i comes back as `[B, L, K, G, ...]` when `rows_first[i]` and
+    as `[B, K, G, ...]` otherwise (None stays None).
     """
     b, t, n, h = query.shape
     kv_heads = key.shape[2]
-    g = n // kv_heads
-
-    def group(x):
-        # [B|1, N|1, ...] -> [B|1, K|1, G|1, ...]
-        heads = (kv_heads, g) if x.shape[1] == n and n > 1 else (1, 1)
-        return x.reshape(x.shape[:1] + heads + x.shape[2:])
-
-    meta = jax.tree.map(group, tuple(meta))
-    mapped = lambda q, k, v, meta: fn(q, k, v, *meta)  # noqa: E731
-    rows = tuple(1 if first else 0 for first in rows_first)
-    mapped = _map_axis(mapped, g, q_axis=1, kv_axis=None, out_axes=rows)  # G: k, v shared
-    mapped = _map_axis(mapped, kv_heads, q_axis=1, kv_axis=1, out_axes=rows)  # K
-    mapped = _map_axis(mapped, b, q_axis=0, kv_axis=0, out_axes=(0,) * len(rows))  # B
-    return mapped(query.reshape(b, t, kv_heads, g, h), key, value, meta)
-
-
-def _map_axis(fn, size: int, *, q_axis: int, kv_axis: int | None, out_axes: tuple[int, ...]):
-    """`fn(q, k, v, meta)` mapped over one of B, K, G: q's `q_axis`, k and v's `kv_axis`
-    (None: shared), and the first axis of every `meta` leaf (size `size`, or 1 when
-    shared). A unit axis is indexed away and re-inserted instead of vmapped, which keeps
-    unit dims out of every intermediate (XLA otherwise copies whole blocks of logits to
-    move them)."""
-
-    def mapped(q, k, v, meta):
-        meta_axes = jax.tree.map(lambda x: 0 if x.shape[0] > 1 else None, meta)
-        meta = jax.tree.map(lambda x: x if x.shape[0] > 1 else x[0], meta)
-        if size > 1:
-            return jax.vmap(fn, in_axes=(q_axis, kv_axis, kv_axis, meta_axes),
-                            out_axes=out_axes)(q, k, v, meta)
-        q = jnp.take(q, 0, axis=q_axis)
-        if kv_axis is not None:
-            k, v = jnp.take(k, 0, axis=kv_axis), jnp.take(v, 0, axis=kv_axis)
-        outs = fn(q, k, v, meta)
-        return tuple(None if x is None else jnp.expand_dims(x, axis)
-                     for x, axis in zip(outs, out_axes))
-
-    return mapped
+    meta = heads.group(tuple(meta), n, kv_heads)
+    mapped = heads.over_heads(
+        fn, (b, kv_heads, n // kv_heads), ("rows", "kv", "kv") + ("heads",) * len(meta),
+        tuple("rows" if first else "heads" for first in rows_first))
+    return mapped(query.reshape(b, t, kv_heads, n // kv_heads, h), key, value, *meta)

@@ -1,11 +1,16 @@
 """The chunked kernel: block-sparse online softmax, O(T + S) memory.
 
-One head, like `attnjax.dense`, and vmapped the same way by the batched API. The Mask
-classifies every (query block, key block) pair as SKIP, PARTIAL or FULL
-(`attnjax.masks`). Each query block folds in only the key blocks it can see — first
-the FULL ones, where no mask is evaluated at all, then the PARTIAL ones, where the
-Mask's `visible` is — with a running max, a running sum and a float32 accumulator
-(FlashAttention).
+The Mask classifies every (query block, key block) pair of every head as SKIP, PARTIAL
+or FULL (`attnjax.masks`). Each query block folds in only the key blocks some head can
+see — first those every head sees whole, where no mask is evaluated at all, then the
+others, where the Mask's `visible` is — with a running max, a running sum and a float32
+accumulator (FlashAttention).
+
+The block loops run over all heads at once, and only the arithmetic of one block is
+mapped over the batch and the heads (`attnjax.heads`): a loop inside a vmap would have
+XLA move every key and value to head-major order first, a copy of the whole key/value
+cache at every decoding step. Keys and values stay in their `[B, S, K, ·]` layout and
+only the block in hand is rearranged.
 
 The custom VJP saves only the output and the log-sum-exp per query and recomputes each
 visited block's weights in the backward pass (FlashAttention-2), which takes the key
@@ -23,8 +28,9 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
+from attnjax import heads
 from attnjax.core import FLOOR, MASKED
-from attnjax.masks import FULL, PARTIAL, Mask
+from attnjax.masks import FULL, PARTIAL, SKIP, Grid, Mask
 from attnjax.options import Options
 from attnjax.scores import Score, _logits_dtype
 
@@ -36,30 +42,10 @@ DEFAULT_BLOCK_K = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Plan(Grid):
     """Static facts of one call: sizes, blocks, dropout."""
 
-    t: int
-    s: int
-    block_q: int
-    block_k: int
-    dropout_rate: float
-
-    @property
-    def num_q_blocks(self) -> int:
-        return -(-self.t // self.block_q)
-
-    @property
-    def num_k_blocks(self) -> int:
-        return -(-self.s // self.block_k)
-
-    @property
-    def padded_t(self) -> int:
-        return self.num_q_blocks * self.block_q
-
-    @property
-    def padded_s(self) -> int:
-        return self.num_k_blocks * self.block_k
+    dropout_rate: float = 0.0
 
 
 def block_sizes(t: int, s: int, block_q: int | None, block_k: int | None) -> tuple[int, int]:
@@ -81,10 +67,18 @@ def _visits(table):
     return tuple(lists)
 
 
-def _table(plan: _Plan, mask: Mask):
-    """`[nq, nk]` int8 block classes; blocks holding key padding are at most PARTIAL,
-    so that the padding is masked."""
-    table = mask.classify(mask.blocks(plan.t, plan.s, plan.block_q, plan.block_k))
+def _table(plan: _Plan, mask: Mask, sizes) -> Array:
+    """`[nq, nk]` int8 classes of the blocks over every head: FULL where every head sees
+    the block whole, SKIP where no head sees any of it. Blocks holding key padding are at
+    most PARTIAL, so that the padding is masked."""
+    def classify(mask):
+        return (mask.classify(mask.blocks(plan)),)
+
+    # [B|1, K|1, G|1, nq, nk]
+    per_head = heads.over_heads(classify, sizes, ("heads",), ("heads",))(mask)[0]
+    lowest, highest = per_head.min(axis=(0, 1, 2)), per_head.max(axis=(0, 1, 2))
+    table = jnp.where(lowest == FULL, FULL, jnp.where(highest == SKIP, SKIP, PARTIAL))
+    table = table.astype(jnp.int8)
     if plan.s % plan.block_k:
         table = table.at[:, -1].min(jnp.int8(PARTIAL))
     return table
@@ -99,12 +93,13 @@ def _slice_2d(x, row, rows: int, col, cols: int):
     return x
 
 
-def _pad_axis(x, size: int, axis: int):
-    """Zero-pad axis to `size` (a unit axis of a broadcast bias stays as it is)."""
-    if x is None or x.shape[axis] in (1, size):
+def _pad_axis(x, size: int, axis: int, *, broadcast: bool = False):
+    """Zero-pad axis to `size`. With broadcast=True (a bias) a unit axis stays as it is:
+    it applies to every row (or column)."""
+    if x is None or x.shape[axis] == size or (broadcast and x.shape[axis] == 1):
         return x
     pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
+    pad[axis % x.ndim] = (0, size - x.shape[axis])
     return jnp.pad(x, pad)
 
 
@@ -138,17 +133,24 @@ class _Blocks:
             return raw
         return self.mod(raw, at.b, at.n, at.q_pos, at.k_pos, *consts).astype(raw.dtype)
 
-    def mask_out(self, s, at):
-        """MASKED where the pair is not visible (or the key is padding)."""
+    def visible(self, at):
+        """`[bq, bk]`: the Mask's answer, keys past S (padding) hidden."""
         visible = self.mask.visible(at)
         if self.plan.s % self.plan.block_k:
             visible = visible & (at.k_idx < self.plan.s)
-        return jnp.where(visible, s, MASKED)
+        return visible
 
-    def logits(self, q_i, k_j, i, j, masked: bool, consts):
+    def logits(self, q_i, k_j, v_j, i, j, masked: bool, consts):
+        """The block's (modified) logits `[bq, bk]`, MASKED where not visible, and the
+        q, k, v blocks with every row and column that sees nothing zeroed: a NaN or inf
+        in padding is selected away, never multiplied by a zero weight."""
         at = self.coords(i, j)
+        if not masked:
+            return self.modify(self.raw(q_i, k_j, i, j), at, consts), q_i, k_j, v_j
+        visible = self.visible(at)
+        q_i, k_j, v_j = _hide_unseen(visible, q_i, k_j, v_j)
         s = self.modify(self.raw(q_i, k_j, i, j), at, consts)
-        return self.mask_out(s, at) if masked else s
+        return jnp.where(visible, s, MASKED), q_i, k_j, v_j
 
     def keep_scale(self, i, j):
         """Inverted-dropout multipliers of block (i, j): 0 or 1/(1 − rate), float32."""
@@ -156,6 +158,13 @@ class _Blocks:
         key = jax.random.fold_in(self.dropout_key, i * p.num_k_blocks + j)
         keep = jax.random.bernoulli(key, 1.0 - p.dropout_rate, (p.block_q, p.block_k))
         return jnp.where(keep, 1.0 / (1.0 - p.dropout_rate), 0.0).astype(jnp.float32)
+
+
+def _hide_unseen(visible, q_i, k_j, v_j):
+    """q rows that see no key of the block, and k, v rows that no query sees, zeroed."""
+    rows, cols = jnp.any(visible, axis=1), jnp.any(visible, axis=0)
+    return (jnp.where(rows[:, None], q_i, 0), jnp.where(cols[:, None], k_j, 0),
+            jnp.where(cols[:, None], v_j, 0))
 
 
 def _visit(full, partial, step, init):
@@ -168,163 +177,232 @@ def _visit(full, partial, step, init):
         0, partial_count, lambda t, c: step(partial_list[t], c, masked=True), carry)
 
 
-def _forward(plan, q, k, v, blocks, sink, consts, rows):
-    """Padded output `[Tq, V]` and log-sum-exp `[Tq]` (MASKED for rows that see nothing)."""
+# The layouts of the one-head block functions' arguments (see attnjax.heads).
+_FORWARD_IN = ("heads", "kv", "kv", "heads", "heads", "heads", "heads")
+_BACKWARD_IN = ("heads", "heads", "heads", "heads", "kv", "kv", "heads", "heads", "heads")
+
+
+def _forward_step(plan, mod, monotone, consts, i, j, masked: bool):
+    """Block (i, j) folded into one head's running (max, sum, accumulator)."""
+
+    def step(q_i, k_j, v_j, carry, mask, bias, dropout_key):
+        blocks = _Blocks(plan, mask, bias, mod, dropout_key)
+        row_max, row_sum, acc = carry
+        if monotone is not None and not masked:
+            # A score_mod that is a non-decreasing function of the score alone has its
+            # row maximum at the raw maximum: no pass over the modified logits for it.
+            raw = blocks.raw(q_i, k_j, i, j)
+            block_max = monotone(jnp.max(raw, axis=-1))
+            s = blocks.modify(raw, blocks.coords(i, j), consts)
+        else:
+            # [bq, bk]
+            s, q_i, k_j, v_j = blocks.logits(q_i, k_j, v_j, i, j, masked, consts)
+            block_max = jnp.max(s, axis=-1)
+        new_max = jnp.maximum(row_max, block_max)
+        p = jnp.exp(s - new_max[:, None])
+        correction = jnp.exp(row_max - new_max)
+        row_sum = row_sum * correction + jnp.sum(p, axis=-1)
+        if plan.dropout_rate > 0.0:
+            p = p * blocks.keep_scale(i, j)
+        # [bq, V]
+        pv = jnp.einsum("TS,SV->TV", p.astype(v_j.dtype), v_j, preferred_element_type=acc.dtype)
+        return ((new_max, row_sum, acc * correction[:, None] + pv),)
+
+    return step
+
+
+def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
+             monotone=None):
+    """Output `[B, K, G, Tp, V]` and log-sum-exp `[B, K, G, Tp]` (MASKED for rows that
+    see nothing). q `[B, K, G, Tp, H]` (heads first, pre-scaled), k and v `[B, Sp, K, ·]`."""
+    sizes = q.shape[:3]
     acc_dtype = _logits_dtype(v.dtype)
 
     def query_block(xs):
         i, full, partial = xs
-        q_i = lax.dynamic_slice_in_dim(q, i * plan.block_q, plan.block_q)
+        # [B, K, G, bq, H]
+        q_i = lax.dynamic_slice_in_dim(q, i * plan.block_q, plan.block_q, axis=3)
 
         def step(j, carry, masked):
-            row_max, row_sum, acc = carry
-            k_j = lax.dynamic_slice_in_dim(k, j * plan.block_k, plan.block_k)
-            v_j = lax.dynamic_slice_in_dim(v, j * plan.block_k, plan.block_k)
-            # [bq, bk]
-            s = blocks.logits(q_i, k_j, i, j, masked, consts)
-            new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))
-            p = jnp.exp(s - new_max[:, None])
-            correction = jnp.exp(row_max - new_max)
-            row_sum = row_sum * correction + jnp.sum(p, axis=-1)
-            if plan.dropout_rate > 0.0:
-                p = p * blocks.keep_scale(i, j)
-            # [bq, V]
-            pv = jnp.einsum("TS,SV->TV", p.astype(v.dtype), v_j, preferred_element_type=acc_dtype)
-            return new_max, row_sum, acc * correction[:, None] + pv
+            # [B, bk, K, H], [B, bk, K, V]
+            k_j = lax.dynamic_slice_in_dim(k, j * plan.block_k, plan.block_k, axis=1)
+            v_j = lax.dynamic_slice_in_dim(v, j * plan.block_k, plan.block_k, axis=1)
+            fold = heads.over_heads(_forward_step(plan, mod, monotone, consts, i, j, masked), sizes,
+                                    _FORWARD_IN, ("heads",))
+            return fold(q_i, k_j, v_j, carry, mask, bias, dropout_key)[0]
 
         # A sink starts every row at exp(sink − sink) = 1; without one, the running max
         # starts at FLOOR, so masked logits (MASKED) contribute exactly 0.
-        start = FLOOR if sink is None else sink.astype(acc_dtype)
+        rows_shape = sizes + (plan.block_q,)
+        start = FLOOR if sinks is None else sinks.astype(acc_dtype)[..., None]
         init = (
-            jnp.full((plan.block_q,), start, acc_dtype),
-            jnp.full((plan.block_q,), 0.0 if sink is None else 1.0, acc_dtype),
-            jnp.zeros((plan.block_q, v.shape[-1]), acc_dtype),
+            jnp.broadcast_to(jnp.asarray(start, acc_dtype), rows_shape),
+            jnp.full(rows_shape, 0.0 if sinks is None else 1.0, acc_dtype),
+            jnp.zeros(rows_shape + (v.shape[-1],), acc_dtype),
         )
+        # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, V]
         row_max, row_sum, acc = _visit(full, partial, step, init)
         seen = row_sum > 0
         safe_sum = jnp.where(seen, row_sum, 1.0)
-        out = acc / safe_sum[:, None]
+        out = acc / safe_sum[..., None]
         lse = jnp.where(seen, row_max + jnp.log(safe_sum), MASKED)
         return out.astype(v.dtype), lse
 
-    (full_list, full_count), (partial_list, partial_count) = rows
-    xs = (jnp.arange(plan.num_q_blocks, dtype=jnp.int32), (full_list, full_count),
-          (partial_list, partial_count))
-    # [nq, bq, V], [nq, bq]
+    xs = (jnp.arange(plan.num_q_blocks, dtype=jnp.int32),) + tuple(rows)
+    # [nq, B, K, G, bq, V], [nq, B, K, G, bq]
     out, lse = lax.map(query_block, xs)
-    return out.reshape(-1, v.shape[-1]), lse.reshape(-1)
+    out = jnp.moveaxis(out, 0, 3).reshape(sizes + (plan.padded_t, v.shape[-1]))
+    return out, jnp.moveaxis(lse, 0, 3).reshape(sizes + (plan.padded_t,))
 
 
-def _backward(plan, q, k, v, blocks, sink, consts, cols, out, lse, d_out, d_lse):
-    """Gradients of the (pre-scaled, padded) q, k, v, the bias, the sink and score_mod's
-    closed-over arrays, recomputing each visited block's weights."""
+def _backward_step(plan, mod, consts, i, j, masked: bool, with_ds: bool):
+    """One head's gradient contributions of block (i, j): to its queries, the key and
+    value block, the block's logits (for the bias) and score_mod's closed-over arrays."""
+
+    def step(q_i, do_i, lse_i, delta_i, k_j, v_j, mask, bias, dropout_key):
+        blocks = _Blocks(plan, mask, bias, mod, dropout_key)
+        acc_dtype = lse_i.dtype
+        at = blocks.coords(i, j)
+        if masked:
+            visible = blocks.visible(at)
+            q_i, k_j, v_j = _hide_unseen(visible, q_i, k_j, v_j)
+        raw = blocks.raw(q_i, k_j, i, j)
+        if mod is None:
+            s = raw
+        else:
+            s, mod_vjp = jax.vjp(lambda r, c: blocks.modify(r, at, c), raw, consts)
+        if masked:
+            s = jnp.where(visible, s, MASKED)
+        # [bq, bk]: the forward weights, exactly, from the saved log-sum-exp.
+        p = jnp.exp(s - lse_i[:, None])
+        dp = jnp.einsum("TV,SV->TS", do_i, v_j, preferred_element_type=acc_dtype)
+        p_used = p
+        if plan.dropout_rate > 0.0:
+            keep = blocks.keep_scale(i, j)
+            p_used, dp = p * keep, dp * keep
+        d_v = jnp.einsum("TS,TV->SV", p_used.astype(v_j.dtype), do_i,
+                         preferred_element_type=acc_dtype)
+        # [bq, bk]: the gradient of the (modified) logits; zero where masked, as p is.
+        ds = p * (dp - delta_i[:, None])
+        d_consts = None
+        if mod is not None:
+            ds, d_consts = mod_vjp(ds)
+        ds_in = ds.astype(q_i.dtype)
+        d_k = jnp.einsum("TS,TH->SH", ds_in, q_i, preferred_element_type=acc_dtype)
+        d_q = jnp.einsum("TS,SH->TH", ds_in, k_j, preferred_element_type=acc_dtype)
+        return d_q, d_k, d_v, ds if with_ds else None, d_consts
+
+    return step
+
+
+def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, out, lse,
+              d_out, d_lse):
+    """Gradients of the (pre-scaled, padded) q, k, v, the bias, the sinks and score_mod's
+    closed-over arrays, recomputing each visited block's weights. q, out and d_out are
+    heads first `[B, K, G, Tp, ·]`, lse and d_lse `[B, K, G, Tp]`."""
+    sizes = q.shape[:3]
     acc_dtype = _logits_dtype(v.dtype)
-    # [Tq]: rowsum(dO ∘ O) = rowsum(dP ∘ P), also under dropout; minus the lse's cotangent
+    # [B, K, G, Tp]: rowsum(dO ∘ O) = rowsum(dP ∘ P), also under dropout; minus the lse's
+    # cotangent.
     delta = jnp.sum(d_out.astype(acc_dtype) * out.astype(acc_dtype), axis=-1)
     if d_lse is not None:
         delta = delta - d_lse.astype(acc_dtype)
     # Rows that saw nothing: exp(MASKED − 0) = 0 recomputes their (zero) weights.
     lse = jnp.where(lse < FLOOR, 0.0, lse)
-    bias = blocks.bias
     differentiable = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
 
     def key_block(carry, xs):
         j, full, partial = xs
-        k_j = lax.dynamic_slice_in_dim(k, j * plan.block_k, plan.block_k)
-        v_j = lax.dynamic_slice_in_dim(v, j * plan.block_k, plan.block_k)
+        # [B, bk, K, H], [B, bk, K, V]
+        k_j = lax.dynamic_slice_in_dim(k, j * plan.block_k, plan.block_k, axis=1)
+        v_j = lax.dynamic_slice_in_dim(v, j * plan.block_k, plan.block_k, axis=1)
 
         def step(i, inner, masked):
             d_q, d_bias, d_consts, d_k, d_v = inner
             rows = i * plan.block_q
-            q_i = lax.dynamic_slice_in_dim(q, rows, plan.block_q)
-            do_i = lax.dynamic_slice_in_dim(d_out, rows, plan.block_q)
-            at = blocks.coords(i, j)
-            raw = blocks.raw(q_i, k_j, i, j)
-            if blocks.mod is None:
-                s = raw
-            else:
-                s, mod_vjp = jax.vjp(lambda r, c: blocks.modify(r, at, c), raw, consts)
-            if masked:
-                s = blocks.mask_out(s, at)
-            # [bq, bk]: the forward weights, exactly, from the saved log-sum-exp.
-            p = jnp.exp(s - lax.dynamic_slice_in_dim(lse, rows, plan.block_q)[:, None])
-            dp = jnp.einsum("TV,SV->TS", do_i, v_j, preferred_element_type=acc_dtype)
-            p_used = p
-            if plan.dropout_rate > 0.0:
-                keep = blocks.keep_scale(i, j)
-                p_used, dp = p * keep, dp * keep
-            d_v = d_v + jnp.einsum("TS,TV->SV", p_used.astype(v.dtype), do_i,
-                                   preferred_element_type=acc_dtype)
-            # [bq, bk]: the gradient of the (modified) logits; zero where masked, as p is.
-            ds = p * (dp - lax.dynamic_slice_in_dim(delta, rows, plan.block_q)[:, None])
-            if blocks.mod is not None:
-                ds, d_block_consts = mod_vjp(ds)
-                d_consts = [d + g if ok else d for d, g, ok in
-                            zip(d_consts, d_block_consts, differentiable)]
-            ds_in = ds.astype(q.dtype)
-            d_k = d_k + jnp.einsum("TS,TH->SH", ds_in, q_i, preferred_element_type=acc_dtype)
-            d_q_i = lax.dynamic_slice_in_dim(d_q, rows, plan.block_q) + jnp.einsum(
-                "TS,SH->TH", ds_in, k_j, preferred_element_type=acc_dtype)
-            d_q = lax.dynamic_update_slice_in_dim(d_q, d_q_i, rows, 0)
+            take = lambda x: lax.dynamic_slice_in_dim(x, rows, plan.block_q, axis=3)  # noqa: E731
+            grads = heads.over_heads(
+                _backward_step(plan, mod, consts, i, j, masked, d_bias is not None), sizes,
+                _BACKWARD_IN, ("heads",) * 5)
+            d_q_i, d_k_j, d_v_j, ds, d_block_consts = grads(
+                take(q), take(d_out), take(lse), take(delta), k_j, v_j, mask, bias,
+                dropout_key)
+            d_q = lax.dynamic_update_slice_in_dim(d_q, take(d_q) + d_q_i, rows, axis=3)
             if d_bias is not None:
                 d_bias = _add_block(d_bias, ds, rows, j * plan.block_k)
-            return d_q, d_bias, d_consts, d_k, d_v
+            if mod is not None:
+                d_consts = [d + g.sum(axis=(0, 1, 2)) if ok else d
+                            for d, g, ok in zip(d_consts, d_block_consts, differentiable)]
+            return d_q, d_bias, d_consts, d_k + d_k_j, d_v + d_v_j
 
         d_q, d_bias, d_consts = carry
-        init = (d_q, d_bias, d_consts, jnp.zeros(k_j.shape, acc_dtype),
-                jnp.zeros(v_j.shape, acc_dtype))
+        # [B, K, G, bk, ·]: every query head's share of the block's gradients
+        init = (d_q, d_bias, d_consts,
+                jnp.zeros(sizes + (plan.block_k, k.shape[-1]), acc_dtype),
+                jnp.zeros(sizes + (plan.block_k, v.shape[-1]), acc_dtype))
         d_q, d_bias, d_consts, d_k, d_v = _visit(full, partial, step, init)
+        # The G query heads of a group share its keys and values: [B, bk, K, ·]
+        d_k, d_v = (jnp.moveaxis(x.sum(axis=2), 2, 1) for x in (d_k, d_v))
         return (d_q, d_bias, d_consts), (d_k, d_v)
 
     init = (jnp.zeros(q.shape, acc_dtype),
             None if bias is None else jnp.zeros(bias.shape, acc_dtype),
             [jnp.zeros(c.shape, c.dtype if ok else acc_dtype)
              for c, ok in zip(consts, differentiable)])
-    (full_list, full_count), (partial_list, partial_count) = cols
-    xs = (jnp.arange(plan.num_k_blocks, dtype=jnp.int32), (full_list, full_count),
-          (partial_list, partial_count))
+    xs = (jnp.arange(plan.num_k_blocks, dtype=jnp.int32),) + tuple(cols)
+    # d_k, d_v: [nk, B, bk, K, ·]
     (d_q, d_bias, d_consts), (d_k, d_v) = lax.scan(key_block, init, xs)
-    d_sink = None
-    if sink is not None:
+    d_k, d_v = (jnp.moveaxis(x, 0, 1).reshape(x.shape[1:2] + (plan.padded_s,) + x.shape[3:])
+                for x in (d_k, d_v))
+    d_sinks = None
+    if sinks is not None:
         # The sink is a column of every row with a zero value vector: dp = 0 there.
-        d_sink = -jnp.sum(jnp.exp(sink.astype(acc_dtype) - lse) * delta)
+        per_head = -jnp.sum(jnp.exp(sinks.astype(acc_dtype)[..., None] - lse) * delta, axis=-1)
+        d_sinks = _sum_to(per_head, sinks.shape)
     d_consts = [d if ok else None for d, ok in zip(d_consts, differentiable)]
-    return d_q, d_k.reshape(k.shape), d_v.reshape(v.shape), d_bias, d_sink, d_consts
+    return d_q, d_k, d_v, d_bias, d_sinks, d_consts
+
+
+def _sum_to(x, shape):
+    """x summed over the axes where `shape` has a unit (broadcast) axis."""
+    axes = tuple(a for a, (have, want) in enumerate(zip(x.shape, shape)) if want == 1 < have)
+    return x.sum(axis=axes, keepdims=True)
 
 
 def _add_block(total, block, row, col):
-    """total[row:, col:] += block, summing the block over total's unit (broadcast) axes."""
-    if total.shape[0] == 1:
-        block, row = jnp.sum(block, axis=0, keepdims=True), jnp.int32(0)
-    if total.shape[1] == 1:
-        block, col = jnp.sum(block, axis=1, keepdims=True), jnp.int32(0)
-    current = lax.dynamic_slice(total, (row, col), block.shape)
-    return lax.dynamic_update_slice(total, current + block, (row, col))
+    """total[..., row:, col:] += block (`[B, K, G, bq, bk]`), summed over total's unit
+    (broadcast) axes."""
+    block = _sum_to(block, total.shape)
+    row = jnp.int32(0) if total.shape[-2] == 1 else row
+    col = jnp.int32(0) if total.shape[-1] == 1 else col
+    start = (jnp.int32(0),) * 3 + (row, col)
+    current = lax.dynamic_slice(total, start, block.shape)
+    return lax.dynamic_update_slice(total, current + block, start)
 
 
-def _kernel(plan: _Plan, mod):
-    """The custom-VJP attention of one plan, on block-padded arrays: `(out, lse)`."""
+def _kernel(plan: _Plan, mod, monotone):
+    """The custom-VJP attention of one plan, on padded, heads-first queries: `(out, lse)`."""
 
     @jax.custom_vjp
-    def attend(q, k, v, bias, sink, consts, mask, dropout_key, rows, cols):
-        blocks = _Blocks(plan, mask, bias, mod, dropout_key)
-        return _forward(plan, q, k, v, blocks, sink, consts, rows)
+    def attend(q, k, v, bias, sinks, consts, mask, dropout_key, rows, cols):
+        return _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
+                        monotone)
 
-    def forward(q, k, v, bias, sink, consts, mask, dropout_key, rows, cols):
-        blocks = _Blocks(plan, mask, bias, mod, dropout_key)
-        out, lse = _forward(plan, q, k, v, blocks, sink, consts, rows)
-        return (out, lse), (q, k, v, bias, sink, consts, mask, dropout_key, cols, out, lse)
+    def forward(q, k, v, bias, sinks, consts, mask, dropout_key, rows, cols):
+        out, lse = _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
+                            monotone)
+        return (out, lse), (q, k, v, bias, sinks, consts, mask, dropout_key, cols, out, lse)
 
     def backward(residuals, cotangents):
-        q, k, v, bias, sink, consts, mask, dropout_key, cols, out, lse = residuals
+        q, k, v, bias, sinks, consts, mask, dropout_key, cols, out, lse = residuals
         d_out, d_lse = cotangents
-        blocks = _Blocks(plan, mask, bias, mod, dropout_key)
         # q entered pre-scaled: autodiff of that multiply applies the scale to d_q.
-        d_q, d_k, d_v, d_bias, d_sink, d_consts = _backward(
-            plan, q, k, v, blocks, sink, consts, cols, out, lse, d_out, d_lse)
+        d_q, d_k, d_v, d_bias, d_sinks, d_consts = _backward(
+            plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, out, lse,
+            d_out, d_lse)
         return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
                 None if bias is None else d_bias.astype(bias.dtype),
-                None if sink is None else d_sink.astype(sink.dtype),
+                None if sinks is None else d_sinks.astype(sinks.dtype),
                 [None if d is None else d.astype(c.dtype) for d, c in zip(d_consts, consts)],
                 None, None, None, None)
 
@@ -332,18 +410,20 @@ def _kernel(plan: _Plan, mod):
     return attend
 
 
-def _prepare(q, k, v, mask: Mask, score: Score, options: Options):
-    """The plan, the block-padded inputs, the visit lists and the converted score_mod."""
-    t, s = q.shape[0], k.shape[0]
-    plan = _Plan(t, s, *block_sizes(t, s, options.block_q, options.block_k),
-                 options.dropout_rate)
+def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate):
+    """The plan, the padded inputs (q scaled and heads first), the block table and the
+    converted score_mod."""
+    b, t, kv_heads, g, _ = q.shape
+    s = k.shape[1]
+    plan = _Plan(t, s, *block_sizes(t, s, block_q, block_k), dropout_rate)
     mask = mask.padded(plan.padded_t, plan.padded_s)
-    table = _table(plan, mask)
-    # q scaled once, rather than every [bq, bk] block of logits.
-    q = _pad_axis(q * jnp.asarray(score.scale, q.dtype), plan.padded_t, 0)
-    k, v = _pad_axis(k, plan.padded_s, 0), _pad_axis(v, plan.padded_s, 0)
+    table = _table(plan, mask, (b, kv_heads, g))
+    # q scaled once, rather than every [bq, bk] block of logits; [B, K, G, Tp, H]
+    q = jnp.moveaxis(_pad_axis(q * jnp.asarray(score.scale, q.dtype), plan.padded_t, 1), 1, 3)
+    k, v = _pad_axis(k, plan.padded_s, 1), _pad_axis(v, plan.padded_s, 1)
     bias = None if score.bias is None else _pad_axis(
-        _pad_axis(score.bias, plan.padded_t, 0), plan.padded_s, 1)
+        _pad_axis(score.bias, plan.padded_t, -2, broadcast=True), plan.padded_s, -1,
+        broadcast=True)
     mod, consts = None, []
     if score.mod is not None:
         # Hoist the arrays score_mod closes over into arguments of the custom VJP, so
@@ -355,30 +435,46 @@ def _prepare(q, k, v, mask: Mask, score: Score, options: Options):
     return plan, q, k, v, bias, mask, table, mod, list(consts)
 
 
+def _rows_first(x, t: int):
+    """`[B, K, G, Tp, ...]` -> `[B, T, K, G, ...]`, the padding dropped."""
+    return jnp.moveaxis(x[:, :, :, :t], 3, 1)
+
+
 def attend(
-    q: Float[Array, "T H"],
-    k: Float[Array, "S H"],
-    v: Float[Array, "S V"],
+    q: Float[Array, "B T K G H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K V"],
     mask: Mask,
     score: Score,
     options: Options,
-) -> tuple[Float[Array, "T V"], Float[Array, " T"], None]:
-    """Output `[T, V]` and log-sum-exp `[T]` of one head in blocks: the numbers of
-    `attnjax.dense.attend` (which alone returns weights)."""
-    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score, options)
-    out, lse = _kernel(plan, mod)(q, k, v, bias, score.sinks, consts, mask,
+) -> tuple[Float[Array, "B T K G V"], Float[Array, "B T K G"], None]:
+    """Output and log-sum-exp of every example and head in blocks: the numbers of
+    `attnjax.dense.attend` (which alone returns weights). mask, score and options are
+    bound and grouped per head (`attnjax.heads.group`)."""
+    plan, q, k, v, bias, mask, table, mod, consts = _prepare(
+        q, k, v, mask, score, options.block_q, options.block_k, options.dropout_rate)
+    monotone = getattr(score.mod, "monotone", None)
+    out, lse = _kernel(plan, mod, monotone)(q, k, v, bias, score.sinks, consts, mask,
                                   options.dropout_key, _visits(table), _visits(table.T))
-    return out[: plan.t], lse[: plan.t], None
+    return _rows_first(out, plan.t), _rows_first(lse, plan.t), None
+
+
+def _one_head(q, k, v, mask, score):
+    """One head's arrays as a batch of one example and one head."""
+    unit = lambda x: x[None, None, None]  # noqa: E731
+    return (q[None, :, None, None], k[None, :, None], v[None, :, None],
+            jax.tree.map(unit, mask), jax.tree.map(unit, score))
 
 
 def forward_with_lse(q, k, v, mask: Mask, score: Score):
     """Output `[T, V]` and log-sum-exp `[T]` of one head against these keys only (no
     dropout, no sinks). Not differentiable itself: its pair `backward_with_lse` is,
     given the output and log-sum-exp of the whole row. For ring attention."""
-    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score, Options())
-    blocks = _Blocks(plan, mask, bias, mod, None)
-    out, lse = _forward(plan, q, k, v, blocks, None, consts, _visits(table))
-    return out[: plan.t], lse[: plan.t]
+    q, k, v, mask, score = _one_head(q, k, v, mask, score)
+    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score, None,
+                                                             None, 0.0)
+    out, lse = _forward(plan, mod, q, k, v, mask, bias, None, consts, None, _visits(table))
+    return out[0, 0, 0, : plan.t], lse[0, 0, 0, : plan.t]
 
 
 def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out):
@@ -387,11 +483,12 @@ def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out):
     out, lse and d_out are of the whole row (every key shard together): this share's
     weights are exp(logits − lse), so the shares' gradients add up to the row's.
     """
-    scale = score.scale
-    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score, Options())
-    blocks = _Blocks(plan, mask, bias, mod, None)
-    pad_q = functools.partial(_pad_axis, size=plan.padded_t, axis=0)
-    d_q, d_k, d_v, *_ = _backward(plan, q, k, v, blocks, None, consts, _visits(table.T),
-                                  pad_q(out), pad_q(lse), pad_q(d_out), None)
+    q, k, v, mask, score = _one_head(q, k, v, mask, score)
+    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score, None,
+                                                             None, 0.0)
+    heads_first = lambda x: _pad_axis(x, plan.padded_t, 0)[None, None, None]  # noqa: E731
+    d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None,
+                                  _visits(table.T), heads_first(out), heads_first(lse),
+                                  heads_first(d_out), None)
     # q entered pre-scaled: the chain rule applies the scale to d_q
-    return d_q[: plan.t] * scale, d_k[: plan.s], d_v[: plan.s]
+    return (d_q[0, 0, 0, : plan.t] * score.scale, d_k[0, : plan.s, 0], d_v[0, : plan.s, 0])

@@ -29,6 +29,13 @@ def attend(
     t, s = q.shape[0], k.shape[0]
     at = mask.coords(0, t, 0, s)
     acc = _logits_dtype(q.dtype)
+    visible = None if mask.is_everything else mask.visible(at)
+    if visible is not None:
+        # Rows and columns that see nothing are selected away: a NaN or inf in padding
+        # never meets a zero weight in a product.
+        rows, cols = jnp.any(visible, axis=1), jnp.any(visible, axis=0)
+        q = jnp.where(rows[:, None], q, 0)
+        k, v = jnp.where(cols[:, None], k, 0), jnp.where(cols[:, None], v, 0)
     if score.align is None:
         # Scaling the [T, H] queries costs T·H multiplies instead of T·S on the logits.
         q = q * jnp.asarray(score.scale, q.dtype)
@@ -39,7 +46,6 @@ def attend(
     if score.bias is not None:
         logits = logits + score.bias.astype(acc)
     logits = score.modify(logits, at)
-    visible = None if mask.is_everything else mask.visible(at)
     weights, lse = core.softmax_and_lse(logits, visible, score.sinks)
     mixed = weights
     if options.dropout_rate > 0.0:

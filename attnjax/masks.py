@@ -71,20 +71,14 @@ class Coords:
 
 
 @dataclasses.dataclass(frozen=True)
-class Blocks:
-    """The block grid of one head: per-block ranges of indices and positions.
-
-    Query block i covers indices [i·bq, (i + 1)·bq) ∩ [0, T), key block j likewise;
-    ranges are taken over the valid (unpadded) entries only. Arrays are `[nq, 1]` for
-    query blocks and `[1, nk]` for key blocks, so rules broadcast them to `[nq, nk]`.
-    """
+class Grid:
+    """T queries and S keys in blocks of block_q × block_k; the last block of each may
+    hold padding."""
 
     t: int
     s: int
     block_q: int
     block_k: int
-    q_pos: Array  # [T] int32
-    k_pos: Array  # [S] int32
 
     @property
     def num_q_blocks(self) -> int:
@@ -93,6 +87,27 @@ class Blocks:
     @property
     def num_k_blocks(self) -> int:
         return -(-self.s // self.block_k)
+
+    @property
+    def padded_t(self) -> int:
+        return self.num_q_blocks * self.block_q
+
+    @property
+    def padded_s(self) -> int:
+        return self.num_k_blocks * self.block_k
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks(Grid):
+    """The block grid of one head, with per-block ranges of indices and positions.
+
+    Query block i covers indices [i·bq, (i + 1)·bq) ∩ [0, T), key block j likewise;
+    ranges are taken over the valid (unpadded) entries only. Arrays are `[nq, 1]` for
+    query blocks and `[1, nk]` for key blocks, so rules broadcast them to `[nq, nk]`.
+    """
+
+    q_pos: Array = None  # [T] int32
+    k_pos: Array = None  # [S] int32
 
     def query_range(self, x):
         """(min, max) of a `[T]` int array over each query block: `[nq, 1]` each."""
@@ -208,12 +223,17 @@ class Rule:
         return self
 
     def padded(self, t: int, s: int) -> Rule:
-        """This rule of one head with its per-query and per-key arrays zero-padded to
-        t queries and s keys (the chunked kernel's whole blocks)."""
+        """This rule with its per-query and per-key arrays zero-padded to t queries and
+        s keys (the chunked kernel's whole blocks). Padding is along the trailing axes,
+        so it applies to one head's arrays and to a bound mask's alike."""
         return self
 
     def parts(self) -> tuple[Rule, ...]:
         return (self,)
+
+    def describe(self) -> str:
+        """The rule in a line, as it would be built: `causal & segments`."""
+        return self.kind
 
 
 @_pytree.dataclass()
@@ -251,6 +271,9 @@ class Window(Rule):
     right: int
     kind = "window"
 
+    def describe(self):
+        return f"window({self.left}, {self.right})"
+
     def visible(self, at):
         return (at.k_pos >= at.q_pos - self.left) & (at.k_pos <= at.q_pos + self.right)
 
@@ -267,6 +290,9 @@ class ChunkedCausal(Rule):
 
     size: int
     kind = "chunked_causal"
+
+    def describe(self):
+        return f"chunked_causal({self.size})"
 
     def visible(self, at):
         same = (at.k_pos // self.size) == (at.q_pos // self.size)
@@ -367,7 +393,7 @@ class Segments(Rule):
         return Segments(query, key)
 
     def padded(self, t, s):
-        return Segments(_pad_axis(self.query, t, 0), _pad_axis(self.key, s, 0))
+        return Segments(_pad_axis(self.query, t, -1), _pad_axis(self.key, s, -1))
 
 
 @_pytree.dataclass(data=("array",))
@@ -407,15 +433,17 @@ class FromArray(Rule):
         return FromArray(x if not shape.unbatched else x[None])
 
     def padded(self, t, s):
-        return FromArray(_pad_axis(_pad_axis(self.array, t, 0), s, 1))
+        return FromArray(_pad_axis(_pad_axis(self.array, t, -2, broadcast=True), s, -1,
+                                   broadcast=True))
 
 
-def _pad_axis(x, size: int, axis: int):
-    """Zero-pad (False-pad) axis to `size`; a unit (broadcast) axis stays as it is."""
-    if x.shape[axis] in (1, size):
+def _pad_axis(x, size: int, axis: int, *, broadcast: bool = False):
+    """Zero-pad (False-pad) axis to `size`. With broadcast=True a unit axis stays as it
+    is: it applies to every row (or column), padding included."""
+    if x.shape[axis] == size or (broadcast and x.shape[axis] == 1):
         return x
     pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
+    pad[axis % x.ndim] = (0, size - x.shape[axis])
     return jnp.pad(x, pad)
 
 
@@ -447,48 +475,49 @@ class FromFn(Rule):
         return _full_grid(blocks, PARTIAL)
 
 
-@_pytree.dataclass(data=("left", "right"))
-class And(Rule):
-    left: Rule
-    right: Rule
-    kind = "and"
+class _Pair(Rule):
+    """Two rules combined: `combine` their elementwise answers, `pick` their classes."""
+
+    combine: ClassVar[Callable]
+    pick: ClassVar[Callable]
 
     def visible(self, at):
-        return self.left.visible(at) & self.right.visible(at)
+        return self.combine(self.left.visible(at), self.right.visible(at))
 
     def classify(self, blocks):
-        return jnp.minimum(self.left.classify(blocks), self.right.classify(blocks))
+        return self.pick(self.left.classify(blocks), self.right.classify(blocks))
 
     def bind(self, shape):
-        return And(self.left.bind(shape), self.right.bind(shape))
+        return type(self)(self.left.bind(shape), self.right.bind(shape))
 
     def padded(self, t, s):
-        return And(self.left.padded(t, s), self.right.padded(t, s))
+        return type(self)(self.left.padded(t, s), self.right.padded(t, s))
 
     def parts(self):
         return self.left.parts() + self.right.parts()
 
+    def describe(self):
+        return f"({self.left.describe()} {self.symbol} {self.right.describe()})"
+
 
 @_pytree.dataclass(data=("left", "right"))
-class Or(Rule):
+class And(_Pair):
+    """Visible where both are: SKIP if either skips, FULL if both are full."""
+
     left: Rule
     right: Rule
-    kind = "or"
+    kind, symbol = "and", "&"
+    combine, pick = staticmethod(jnp.logical_and), staticmethod(jnp.minimum)
 
-    def visible(self, at):
-        return self.left.visible(at) | self.right.visible(at)
 
-    def classify(self, blocks):
-        return jnp.maximum(self.left.classify(blocks), self.right.classify(blocks))
+@_pytree.dataclass(data=("left", "right"))
+class Or(_Pair):
+    """Visible where either is: FULL if either is full, SKIP if both skip."""
 
-    def bind(self, shape):
-        return Or(self.left.bind(shape), self.right.bind(shape))
-
-    def padded(self, t, s):
-        return Or(self.left.padded(t, s), self.right.padded(t, s))
-
-    def parts(self):
-        return self.left.parts() + self.right.parts()
+    left: Rule
+    right: Rule
+    kind, symbol = "or", "|"
+    combine, pick = staticmethod(jnp.logical_or), staticmethod(jnp.maximum)
 
 
 # --------------------------------------------------------------------------------------
@@ -510,6 +539,10 @@ class Mask:
     example: Any = None
     head: Any = None
 
+    def __repr__(self) -> str:
+        placed = "" if self.q_positions is None else ", with positions"
+        return f"Mask({self.rule.describe()}{placed})"
+
     def __and__(self, other: Mask) -> Mask:
         return self._combine(other, And, "&")
 
@@ -529,10 +562,6 @@ class Mask:
         if isinstance(other.rule, Everything):
             return self if op is And else other
         return Mask(op(self.rule, other.rule))
-
-    def __repr__(self) -> str:
-        kinds = [p.kind for p in self.rule.parts()]
-        return f"Mask({' '.join(kinds)})"
 
     @property
     def is_everything(self) -> bool:
@@ -558,13 +587,15 @@ class Mask:
     # What the kernels ask of a bound mask, for one head.
 
     def padded(self, t: int, s: int) -> Mask:
-        """One head's mask with its arrays zero-padded to t queries and s keys."""
-        return Mask(self.rule.padded(t, s), _pad_axis(self.q_positions, t, 0),
-                    _pad_axis(self.k_positions, s, 0), self.example, self.head)
+        """The mask with its arrays zero-padded to t queries and s keys (see
+        `Rule.padded`)."""
+        return Mask(self.rule.padded(t, s), _pad_axis(self.q_positions, t, -1),
+                    _pad_axis(self.k_positions, s, -1), self.example, self.head)
 
-    def blocks(self, t: int, s: int, block_q: int, block_k: int) -> Blocks:
-        """The block grid of t queries and s keys of one head."""
-        return Blocks(t, s, block_q, block_k, self.q_positions, self.k_positions)
+    def blocks(self, grid: Grid) -> Blocks:
+        """The block grid of one head, with this mask's positions."""
+        return Blocks(grid.t, grid.s, grid.block_q, grid.block_k, self.q_positions,
+                      self.k_positions)
 
     def coords(self, q_start, bq: int, k_start, bk: int) -> Coords:
         """The coordinates of the block of bq queries from q_start and bk keys from

@@ -200,7 +200,7 @@ def multi_head_attention(
     inputs_k: Float[ArrayLike, "*B S Dk"] | None = None,
     inputs_v: Float[ArrayLike, "*B S Dv"] | None = None,
     **attention_options,
-) -> Float[ArrayLike, "*B T F"] | tuple[Float[ArrayLike, "*B T F"], Float[ArrayLike, "*B N T S"]]:
+) -> Float[ArrayLike, "*B T F"] | tuple[Array, ...]:
     """Multi-head attention: project per head, attend, mix the heads with W^O.
 
     Args:
@@ -209,13 +209,15 @@ def multi_head_attention(
       inputs_q: `[B, T, D]` (or `[T, D]`).
       inputs_k: `[B, S, Dk]`; defaults to inputs_q (self-attention).
       inputs_v: `[B, S, Dv]`; defaults to inputs_k.
-      **attention_options: passed to `attnjax.dot_product_attention` (mask, bias,
-        is_causal, query_lengths, key_lengths, window, dropout_rate, dropout_rng,
-        return_weights, implementation, scale).
+      **attention_options: any keyword of `attnjax.dot_product_attention` (mask — a
+        bool array or an `attnjax.Mask` —, bias, is_causal, query_lengths, key_lengths,
+        window, positions, score_mod, sinks, dropout_rate, dropout_rng, return_weights,
+        implementation, scale, ...), passed through.
 
     Returns:
       `[B, T, F]` in inputs_q's dtype (parameters are cast to it); with
-      return_weights=True, the pair (output, weights `[B, N, T, S]`).
+      return_weights / return_residual, followed by the weights `[B, N, T, S]` / the
+      log-sum-exp `[B, T, N]`, as `dot_product_attention` returns them.
     """
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v
@@ -226,7 +228,8 @@ def multi_head_attention(
     # [B, S, K, H], [B, S, K, V]
     key, value = project_key_value(params, inputs_k, inputs_v)
     result = dot_product_attention(query, key, value, **attention_options)
-    heads, weights = result if attention_options.get("return_weights") else (result, None)
+    # weights and log-sum-exp, when asked for, follow the heads
+    heads, *extras = result if isinstance(result, tuple) else (result,)
     # [B, T, F]
     out = combine_heads(params, heads)
-    return (out, weights) if weights is not None else out
+    return (out, *extras) if extras else out

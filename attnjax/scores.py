@@ -99,7 +99,9 @@ def additive_score(
 # scaled logits (plus bias) of one head, before masking. b and n are int32 scalars (the
 # example and the query head), q_pos `[T, 1]` and k_pos `[1, S]` int32 positions (see
 # attnjax.masks), score float32 (float64 for float64 inputs). Arrays a score_mod closes
-# over receive gradients in every implementation.
+# over receive gradients in every implementation. A score_mod that depends on the score
+# alone, through a non-decreasing function f, may set `score_mod.monotone = f`: the
+# chunked kernel then takes row maxima before the modification.
 
 ScoreMod = Callable[[Array, Array, Array, Array, Array], Array]
 
@@ -111,9 +113,15 @@ def soft_cap(cap: float) -> ScoreMod:
         raise ValueError(f"soft_cap needs a positive finite cap; got {cap!r}")
     cap = float(cap)
 
-    def mod(score, b, n, q_pos, k_pos):
-        return cap * jnp.tanh(score / cap)
+    def squash(score):
+        return cap * jnp.tanh(score * (1.0 / cap))
 
+    def mod(score, b, n, q_pos, k_pos):
+        return squash(score)
+
+    # A non-decreasing function of the score alone: the chunked kernel may take a row's
+    # maximum before squashing (one pass less over each block of logits).
+    mod.monotone = squash
     return mod
 
 

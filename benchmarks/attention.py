@@ -2,15 +2,23 @@
 
     python benchmarks/attention.py            # T = S from 128 to 8192, memory at 16384
     python benchmarks/attention.py --quick    # T = S in {256, 1024}, fewer repeats
+    python benchmarks/attention.py --engine   # the GEMM rate and the engine's figures only
 
 First the machine's float32 GEMM rate (a 2048³ `jnp.dot`), then for B=1, N=8, H=64,
 float32: forward and forward+backward time (`block_until_ready`, median after warm-up
 of ≥ 5 calls each timed in a run of its own from T = 2048; below, of ≥ 25 calls, 101
 for T ≤ 256, interleaved call by call) of attnjax auto / dense / chunked, `jax.nn.dot_product_attention`
 and `flax.linen.dot_product_attention`, causal and not. GFLOP/s counts 4·B·N·T·S·H for
-the forward and 2.5× that for forward+backward, causal or not, so a causal row's rate is
-the rate of the full computation it stands in for. Memory is XLA's compiled temporary
-allocation (`memory_analysis().temp_size_in_bytes`). Prints a markdown table.
+the forward and the backward as 2.5× the forward (FlashAttention's count), so
+forward+backward is 3.5× the forward, causal or not: a causal row's rate is the rate of
+the full computation it stands in for. Memory is XLA's compiled temporary allocation
+(`memory_analysis().temp_size_in_bytes`). Prints a markdown table.
+
+Then the engine's figures, each pair timed interleaved in one process: document masking
+(causal within 8 equal packed segments) against unmasked non-causal attention at
+T=8192; `soft_cap` against plain attention at T=4096, forward and forward+backward; and
+one decoding step (T=1, causal) against a 32,768-token cache, chunked against dense,
+time and temporary memory.
 """
 
 import argparse
@@ -25,6 +33,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnjax  # noqa: E402
+from attnjax import masks, scores  # noqa: E402
 from _timing import median_times  # noqa: E402
 
 B, N, H = 1, 8, 64
@@ -81,7 +90,7 @@ def run(sizes, memory_only_sizes, repeats, gemm):
         keys = jax.random.split(jax.random.key(t), 4)
         args = tuple(jax.random.normal(key, (B, t, N, H), jnp.float32) for key in keys)
         for pass_name, make, flop_factor in (("fwd", forward_fn, 1.0),
-                                             ("fwd+bwd", forward_backward_fn, 2.5)):
+                                             ("fwd+bwd", forward_backward_fn, 3.5)):
             if t in memory_only_sizes and pass_name == "fwd+bwd":
                 continue
             for causal in (False, True):
@@ -144,11 +153,88 @@ def causal_speedup(t: int, repeats: int) -> tuple[float, float, float]:
     return times[False], times[True], times[False] / times[True]
 
 
+def _inputs(t: int, s: int | None = None):
+    keys = jax.random.split(jax.random.key(t), 4)
+    s = t if s is None else s
+    return (jax.random.normal(keys[0], (B, t, N, H), jnp.float32),
+            jax.random.normal(keys[1], (B, s, N, H), jnp.float32),
+            jax.random.normal(keys[2], (B, s, N, H), jnp.float32),
+            jax.random.normal(keys[3], (B, t, N, H), jnp.float32))
+
+
+def document_masking(t: int, repeats: int) -> tuple[float, float]:
+    """Forward of causal attention within 8 equal segments, and of unmasked non-causal
+    attention of the same shape: seconds each (chunked, timed in runs of their own)."""
+    args = _inputs(t)
+    # [1, T]: eight packed documents
+    ids = jnp.repeat(jnp.arange(8, dtype=jnp.int32), t // 8)[None]
+    fns = {
+        "documents": jax.jit(lambda q, k, v, d: attnjax.dot_product_attention(
+            q, k, v, mask=masks.causal() & masks.segments(ids), implementation="chunked")),
+        "unmasked": jax.jit(lambda q, k, v, d: attnjax.dot_product_attention(
+            q, k, v, implementation="chunked")),
+    }
+    times = median_times(fns, args, repeats=repeats, warmup=1, interleave=False)
+    return times["documents"], times["unmasked"]
+
+
+def soft_cap_cost(t: int, repeats: int) -> dict:
+    """(plain, soft-capped) seconds of the chunked forward and forward+backward."""
+    args = _inputs(t)
+    plain = lambda q, k, v, c: attnjax.dot_product_attention(  # noqa: E731
+        q, k, v, implementation="chunked")
+    capped = lambda q, k, v, c: attnjax.dot_product_attention(  # noqa: E731
+        q, k, v, implementation="chunked", score_mod=scores.soft_cap(30.0))
+    result = {}
+    for pass_name, make in (("fwd", forward_fn), ("fwd+bwd", forward_backward_fn)):
+        fns = {"plain": jax.jit(make(plain, False)), "soft_cap": jax.jit(make(capped, False))}
+        times = median_times(fns, args, repeats=repeats, warmup=1, interleave=True)
+        result[pass_name] = (times["plain"], times["soft_cap"])
+    return result
+
+
+def cached_decoding(cache: int, repeats: int) -> dict:
+    """One causal decoding step (T = 1) against `cache` keys: (seconds, temp bytes) of
+    the dense and the chunked kernel."""
+    q, k, v, _ = _inputs(1, cache)
+    fns, temps = {}, {}
+    for name in ("dense", "chunked"):
+        fns[name], temps[name] = compiled(
+            lambda q, k, v, name=name: attnjax.dot_product_attention(
+                q, k, v, is_causal=True, implementation=name), (q, k, v))
+    times = median_times(fns, (q, k, v), repeats=repeats, warmup=3, interleave=True)
+    return {name: (times[name], temps[name]) for name in fns}
+
+
+def print_engine(gemm: float, repeats: int, long_t: int, mid_t: int, cache: int) -> None:
+    print()
+    print("Masks and score modifications (chunked kernel, B=1 N=8 H=64 float32):")
+    print()
+    documents, unmasked = document_masking(long_t, repeats)
+    print(f"- document masking, causal within 8 equal segments, T=S={long_t}, forward: "
+          f"{documents * 1e3:.1f} ms against {unmasked * 1e3:.1f} ms unmasked non-causal: "
+          f"{unmasked / documents:.2f}× faster")
+    for pass_name, (plain, capped) in soft_cap_cost(mid_t, repeats).items():
+        flops = 4 * B * N * mid_t * mid_t * H * (1.0 if pass_name == "fwd" else 3.5)
+        print(f"- soft_cap(30), T=S={mid_t}, {pass_name}: {capped * 1e3:.1f} ms against "
+              f"{plain * 1e3:.1f} ms plain: +{100 * (capped / plain - 1):.1f}%; plain at "
+              f"{flops / plain / 1e9:.1f} GFLOP/s = {100 * flops / plain / 1e9 / gemm:.0f}% "
+              f"of the GEMM rate")
+    decode = cached_decoding(cache, max(repeats, 21))
+    (dense_s, dense_b), (chunked_s, chunked_b) = decode["dense"], decode["chunked"]
+    print(f"- one decoding step against a {cache}-token cache: chunked {chunked_s * 1e3:.2f} ms "
+          f"and {chunked_b / 2**20:.2f} MiB temporary, dense {dense_s * 1e3:.2f} ms and "
+          f"{dense_b / 2**20:.2f} MiB: chunked {dense_s / chunked_s:.2f}× the speed, "
+          f"{chunked_b / dense_b:.3f} of the memory")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T = S in {256, 1024}, 3 repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--sizes", type=int, nargs="+", help="T = S values to time")
+    parser.add_argument("--engine", action="store_true",
+                        help="only the GEMM rate and the masks / score_mod / decoding figures")
     args = parser.parse_args()
     if args.sizes:
         sizes, memory_only, repeats = args.sizes, [], args.repeats or 5
@@ -157,12 +243,20 @@ def main() -> None:
     else:
         sizes, memory_only, repeats = [128, 256, 512, 1024, 2048, 4096, 8192], [16384], args.repeats or 5
     gemm = statistics.median(gemm_rate(repeats) for _ in range(3))
-    print_table(run(sizes, memory_only, repeats, gemm), gemm)
-    t = max(sizes)
-    full, causal, ratio = causal_speedup(t, max(repeats, 7))
-    print()
-    print(f"causal speed-up, attnjax auto forward at T=S={t}, interleaved: non-causal "
-          f"{full * 1e3:.1f} ms, causal {causal * 1e3:.1f} ms, ratio {ratio:.2f}")
+    if args.engine:
+        print(f"float32 GEMM rate (2048³ jnp.dot): {gemm:.1f} GFLOP/s; "
+              f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    else:
+        print_table(run(sizes, memory_only, repeats, gemm), gemm)
+        t = max(sizes)
+        full, causal, ratio = causal_speedup(t, max(repeats, 7))
+        print()
+        print(f"causal speed-up, attnjax auto forward at T=S={t}, interleaved: non-causal "
+              f"{full * 1e3:.1f} ms, causal {causal * 1e3:.1f} ms, ratio {ratio:.2f}")
+    if args.quick:
+        print_engine(gemm, repeats, long_t=2048, mid_t=1024, cache=4096)
+    else:
+        print_engine(gemm, repeats, long_t=8192, mid_t=4096, cache=32768)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ dense computation as it sees fit). On a CPU the 4 devices are emulated
 (`--xla_force_host_platform_device_count=4`) and share its cores, so the time shows the
 ring's overhead on the same total work, not a speed-up.
 
+Three masks: none, causal, and causal over 8 packed documents of uneven lengths
+(`segment_ids`; their boundaries cross the shards).
+
     python benchmarks/ring.py [--length 16384] [--repeats 3]
 """
 
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import attnjax  # noqa: E402
 from _timing import median_times  # noqa: E402
+from attnjax import masks  # noqa: E402
 from attnjax.parallel import ring_self_attention  # noqa: E402
 
 MIB = 2 ** 20
@@ -56,46 +60,57 @@ def main():
     print(f"B=1 T=S={t} N={n} H={h} float32, {len(devices)} {devices[0].platform} devices, "
           f"jax {jax.__version__}\n")
 
-    def ring(causal):
-        return lambda q, k, v: ring_self_attention(q, k, v, mesh, is_causal=causal)
+    ids = packed_ids(t, documents=8)
+    # mask -> (ring_self_attention's keywords, dot_product_attention's)
+    cases = {
+        "none": (dict(), dict()),
+        "causal": (dict(is_causal=True), dict(is_causal=True)),
+        "causal, 8 packed documents": (dict(is_causal=True, segment_ids=ids),
+                                       dict(is_causal=True, mask=masks.segments(ids))),
+    }
 
-    def dense(causal):
-        return lambda q, k, v: attnjax.dot_product_attention(q, k, v, is_causal=causal,
-                                                             implementation="dense")
+    def ring(case):
+        return lambda q, k, v: ring_self_attention(q, k, v, mesh, **cases[case][0])
 
-    def chunked(causal):
-        return lambda q, k, v: attnjax.dot_product_attention(q, k, v, is_causal=causal,
-                                                             implementation="chunked")
+    def single(case, implementation):
+        return lambda q, k, v: attnjax.dot_product_attention(
+            q, k, v, implementation=implementation, **cases[case][1])
 
     def with_grad(fn):
         def loss(q, k, v, d_out):
             return jnp.sum(fn(q, k, v) * d_out)
         return jax.grad(loss, argnums=(0, 1, 2))
 
-    print("| causal | pass | ring, 4 devices | dense, 4 devices | dense / ring |")
+    print("| mask | pass | ring, 4 devices | dense, 4 devices | dense / ring |")
     print("|---|---|---:|---:|---:|")
-    for causal in (False, True):
+    for case in cases:
         for name, wrap, inputs in (("fwd", lambda f: f, on_mesh[:3]),
                                    ("fwd+bwd", with_grad, on_mesh)):
             kwargs = dict(out_shardings=sharded) if name == "fwd" else {}
-            ring_mib = temp_mib(wrap(ring(causal)), inputs, **kwargs)
-            dense_mib = temp_mib(wrap(dense(causal)), inputs, **kwargs)
-            print(f"| {'yes' if causal else 'no'} | {name} | {ring_mib:.1f} MiB | "
-                  f"{dense_mib:.1f} MiB | {dense_mib / ring_mib:.0f}× less |", flush=True)
+            ring_mib = temp_mib(wrap(ring(case)), inputs, **kwargs)
+            dense_mib = temp_mib(wrap(single(case, "dense")), inputs, **kwargs)
+            print(f"| {case} | {name} | {ring_mib:.1f} MiB | {dense_mib:.1f} MiB | "
+                  f"{dense_mib / ring_mib:.0f}× less |", flush=True)
 
-    print("\n| causal | ring forward, 4 devices | chunked forward, 1 device | ring / chunked |")
+    print("\n| mask | ring forward, 4 devices | chunked forward, 1 device | ring / chunked |")
     print("|---|---:|---:|---:|")
-    for causal in (False, True):
+    for case in cases:
         times = {
-            "ring": median_times({"ring": jax.jit(ring(causal))}, tuple(on_mesh[:3]),
+            "ring": median_times({"ring": jax.jit(ring(case))}, tuple(on_mesh[:3]),
                                  repeats=args.repeats, warmup=1)["ring"],
-            "chunked": median_times({"chunked": jax.jit(chunked(causal))}, (q, k, v),
+            "chunked": median_times({"chunked": jax.jit(single(case, "chunked"))}, (q, k, v),
                                     repeats=args.repeats, warmup=1)["chunked"],
         }
-        print(f"| {'yes' if causal else 'no'} | {times['ring'] * 1e3:.0f} ms | "
-              f"{times['chunked'] * 1e3:.0f} ms | {times['ring'] / times['chunked']:.2f} |",
-              flush=True)
+        print(f"| {case} | {times['ring'] * 1e3:.0f} ms | {times['chunked'] * 1e3:.0f} ms | "
+              f"{times['ring'] / times['chunked']:.2f} |", flush=True)
 
+
+def packed_ids(length: int, documents: int):
+    """int32 `[1, length]`: `documents` consecutive documents of uneven lengths."""
+    cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, length), documents - 1,
+                                                   replace=False))
+    return jnp.asarray(np.searchsorted(cuts, np.arange(length), side="right")[None],
+                       jnp.int32)
 
 if __name__ == "__main__":
     main()

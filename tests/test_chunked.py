@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnjax
-from attnjax import chunked, masks
+from attnjax import chunked, heads, masks
 from tests import reference
 
 # (B, T, S, N, K, H, V, block sizes): no length a multiple of its block in most rows.
@@ -163,9 +163,9 @@ def test_block_classes_are_sound_and_skip_the_masked_blocks(t, s, is_causal, win
     def classes_and_truth(mask, **rule):
         seen = np.zeros_like(real)
         seen[:t, :s] = reference.visible(t, s, **rule)
-        bound = mask.bind(masks.Shape(1, t, s, 1))
-        head = jax.tree.map(lambda x: x[0, 0], bound).padded(plan.padded_t, plan.padded_s)
-        table = np.asarray(chunked._table(plan, head))
+        bound = heads.group(mask.bind(masks.Shape(1, t, s, 1)), 1, 1)
+        table = np.asarray(chunked._table(plan, bound.padded(plan.padded_t, plan.padded_s),
+                                          (1, 1, 1)))
         blocks = (plan.num_q_blocks, 8, plan.num_k_blocks, 16)
         live = seen.reshape(blocks).any(axis=(1, 3))
         # padded query rows are dropped, so they do not make a block partial

@@ -1,86 +1,189 @@
 """Ring attention on 4 emulated devices equals dense attention, outputs and gradients."""
 
+import collections
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import attnjax
+from attnjax import masks
 from attnjax.parallel import ring
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
                                 "sets --xla_force_host_platform_device_count=4)")
 
+P = 4
+
 
 def _mesh():
-    return Mesh(np.asarray(jax.devices()[:4]), ("seq",))
+    return Mesh(np.asarray(jax.devices()[:P]), ("seq",))
 
 
 def _inputs(rng, t, s, n, k, h, v):
-    kq, kk, kv, kd = jax.random.split(rng, 4)
-    return (jax.random.normal(kq, (2, t, n, h), jnp.float32),
-            jax.random.normal(kk, (2, s, k, h), jnp.float32),
-            jax.random.normal(kv, (2, s, k, v), jnp.float32),
-            jax.random.normal(kd, (2, t, n, v), jnp.float32))
+    """q, k, v and an output cotangent, float32; drawn with numpy, which compiles
+    nothing (the tests' time goes to the ring)."""
+    draw = np.random.default_rng(np.asarray(jax.random.key_data(rng))).standard_normal
+    return tuple(jnp.asarray(draw(shape), jnp.float32)
+                 for shape in ((2, t, n, h), (2, s, k, h), (2, s, k, v), (2, t, n, v)))
 
 
 def _close(actual, expected, tol=2e-5):
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert np.all(np.isfinite(actual))
     error = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1.0)
     assert error <= tol, error
 
 
-def _check_against_dense(attend, q, k, v, d_out, is_causal):
-    def loss(fn, q, k, v):
-        return jnp.sum(fn(q, k, v) * d_out)
+def _check_against_dense(attend, dense, q, k, v, d_out):
+    """attend (jitted, on 4 devices) == dense, the output and the gradients of q, k, v
+    of sum(output · d_out); returns attend's."""
+    def output_and_grads(fn, q, k, v):
+        out, pullback = jax.vjp(fn, q, k, v)
+        return out, pullback(d_out)
 
-    def dense(q, k, v):
-        return attnjax.dot_product_attention(q, k, v, is_causal=is_causal,
-                                             implementation="dense")
-
-    _close(jax.jit(attend)(q, k, v), dense(q, k, v))
-    ring_grads = jax.jit(jax.grad(functools.partial(loss, attend), argnums=(0, 1, 2)))(q, k, v)
-    dense_grads = jax.grad(functools.partial(loss, dense), argnums=(0, 1, 2))(q, k, v)
-    for actual, expected in zip(ring_grads, dense_grads):
+    # one compilation of the ring, forward and backward together
+    out, grads = jax.jit(functools.partial(output_and_grads, attend))(q, k, v)
+    expected_out, expected_grads = output_and_grads(dense, q, k, v)
+    for actual, expected in zip((out, *grads), (expected_out, *expected_grads)):
         _close(actual, expected)
+    return out, grads
+
+
+def _dense(**kwargs):
+    return functools.partial(attnjax.dot_product_attention, implementation="dense", **kwargs)
+
+
+def _in_shard_map(fn, *row_arrays):
+    """fn(q, k, v, *row_arrays) inside shard_map, everything sharded along axis 1."""
+    spec = PartitionSpec(None, "seq", None, None)
+    rows = tuple(PartitionSpec(None, "seq") for _ in row_arrays)
+    sharded = jax.shard_map(fn, mesh=_mesh(), in_specs=(spec, spec, spec) + rows,
+                            out_specs=spec, check_vma=False)
+    return lambda q, k, v: sharded(q, k, v, *row_arrays)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_ring_self_attention_equals_dense(rng, is_causal):
     q, k, v, d_out = _inputs(rng, 40, 40, 6, 2, 8, 5)   # GQA, V != H, T = 4·2·5
     attend = functools.partial(ring.ring_self_attention, mesh=_mesh(), is_causal=is_causal)
-    _check_against_dense(attend, q, k, v, d_out, is_causal)
+    _check_against_dense(attend, _dense(is_causal=is_causal), q, k, v, d_out)
 
 
-@pytest.mark.parametrize("is_causal, t, s", [(True, 24, 24), (False, 12, 20)])
+@pytest.mark.parametrize("is_causal, t, s", [(True, 24, 24), (False, 12, 20), (True, 12, 20)])
 def test_contiguous_layout_and_cross_attention(rng, is_causal, t, s):
+    # causal with T < S: the default positions align the last query with the last key
     q, k, v, d_out = _inputs(rng, t, s, 4, 4, 8, 8)
-    spec = PartitionSpec(None, "seq", None, None)
-    attend = jax.shard_map(
-        functools.partial(ring.ring_attention, axis_name="seq", is_causal=is_causal),
-        mesh=_mesh(), in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
-    _check_against_dense(attend, q, k, v, d_out, is_causal)
+    attend = _in_shard_map(functools.partial(ring.ring_attention, axis_name="seq",
+                                             is_causal=is_causal))
+    _check_against_dense(attend, _dense(is_causal=is_causal), q, k, v, d_out)
+
+
+def _packed_ids(lengths_per_example, t):
+    """int32 `[B, T]` monotone segment ids from each example's segment lengths."""
+    ids = [np.repeat(np.arange(len(lengths)), lengths) for lengths in lengths_per_example]
+    assert all(len(x) == t for x in ids)
+    return jnp.asarray(np.stack(ids), jnp.int32)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_packed_segments_equal_dense(rng, is_causal):
+    q, k, v, d_out = _inputs(rng, 40, 40, 6, 2, 8, 5)
+    # shards of 10 (zig-zag chunks of 5): segments cross their boundaries
+    ids = _packed_ids([[7, 13, 4, 16], [23, 17]], 40)
+    attend = functools.partial(ring.ring_self_attention, mesh=_mesh(), is_causal=is_causal,
+                               segment_ids=ids)
+    _check_against_dense(attend, _dense(is_causal=is_causal, mask=masks.segments(ids)),
+                         q, k, v, d_out)
+
+
+# [B, T]: positions starting at 3 and at 11
+_OFFSETS = jnp.asarray(np.asarray([[3], [11]]) + np.arange(24), jnp.int32)
+
+
+@pytest.mark.parametrize("ring_kwargs, dense_kwargs", [
+    (dict(mask=masks.window(3, 2)), dict(window=(3, 2))),
+    (dict(mask=masks.causal() | masks.prefix(7)),                 # prefix-LM, zig-zag
+     dict(mask=masks.causal() | masks.prefix(7))),
+    (dict(mask=masks.chunked_causal(5), positions=_OFFSETS),      # chunks follow the offset
+     dict(mask=masks.chunked_causal(5), positions=(_OFFSETS, _OFFSETS))),
+    (dict(is_causal=True, mask=masks.from_fn(lambda b, n, qp, kp: (qp + kp) % 3 != 1),
+          positions=_OFFSETS),
+     dict(is_causal=True, mask=masks.from_fn(lambda b, n, qp, kp: (qp + kp) % 3 != 1),
+          positions=(_OFFSETS, _OFFSETS))),
+], ids=["window", "prefix_lm", "chunked_causal_offset", "causal_from_fn_offset"])
+def test_position_rules_equal_dense(rng, ring_kwargs, dense_kwargs):
+    q, k, v, d_out = _inputs(rng, 24, 24, 3, 1, 4, 6)
+    attend = functools.partial(ring.ring_self_attention, mesh=_mesh(), **ring_kwargs)
+    _check_against_dense(attend, _dense(**dense_kwargs), q, k, v, d_out)
+
+
+def test_rows_that_see_nothing_give_zeros_and_zero_gradients(rng):
+    t, s = 16, 28
+    q, k, v, d_out = _inputs(rng, t, s, 2, 2, 8, 3)
+    # Padding by segment ids: query id −1 and key id −2 are carried by nothing else.
+    q_ids = jnp.asarray([[0] * 5 + [1] * 7 + [-1] * 4, [-1] * 3 + [0] * 13], jnp.int32)
+    k_ids = jnp.asarray([[0] * 9 + [1] * 15 + [-2] * 4, [0] * 20 + [-2] * 8], jnp.int32)
+
+    def local(q, k, v, q_ids, k_ids):
+        return ring.ring_attention(q, k, v, axis_name="seq", is_causal=True,
+                                   mask=masks.segments(q_ids, k_ids))
+
+    attend = _in_shard_map(local, q_ids, k_ids)
+    dense = _dense(is_causal=True, mask=masks.segments(q_ids, k_ids))
+    out, (d_q, d_k, d_v) = _check_against_dense(attend, dense, q, k, v, d_out)
+    padded_rows = np.asarray(q_ids == -1)
+    padded_keys = np.asarray(k_ids == -2)
+    assert np.all(np.asarray(out)[padded_rows] == 0)
+    assert np.all(np.asarray(d_q)[padded_rows] == 0)
+    assert np.all(np.asarray(d_k)[padded_keys] == 0)
+    assert np.all(np.asarray(d_v)[padded_keys] == 0)
+
+
+def test_invisible_steps_are_skipped(rng, monkeypatch):
+    """Contiguous causal: device i sees the shards of devices 0..i only, so it runs
+    the kernel on i + 1 of the P steps."""
+    q, k, v, _ = _inputs(rng, 16, 16, 2, 1, 4, 4)
+    runs = collections.Counter()
+    attend_shard = ring._attend_shard
+
+    def counted(query, key, value, mask, score):
+        jax.debug.callback(lambda device: runs.update([int(device)]), lax.axis_index("seq"))
+        return attend_shard(query, key, value, mask, score)
+
+    monkeypatch.setattr(ring, "_attend_shard", counted)
+    attend = _in_shard_map(functools.partial(ring.ring_attention, axis_name="seq",
+                                             is_causal=True))
+    jax.block_until_ready(jax.jit(attend)(q, k, v))
+    jax.effects_barrier()
+    assert [runs[device] for device in range(P)] == [1, 2, 3, 4]
 
 
 def test_zigzag_balances_causal_work():
-    p = 4
+    """Non-skipped blocks of half a shard (the zig-zag chunks), per device, by the
+    classifier the ring and the kernel use."""
+    length = 8   # per shard
 
     def work(layout):
         per_device = []
-        for me in range(p):
+        for me in range(P):
             blocks = 0
-            for step in range(p):
-                for a in ring._chunk_ids(me, p, layout):
-                    for b in ring._chunk_ids((me - step) % p, p, layout):
-                        blocks += int(ring._case(a, b, True) != ring._SKIP)
+            for step in range(P):
+                positions = (ring._shard_positions(me, P, length, layout),
+                             ring._shard_positions((me - step) % P, P, length, layout))
+                bound = masks.causal().bind(masks.Shape(1, length, length, 1), positions)
+                head = jax.tree.map(lambda x: x[0, 0], bound)
+                grid = masks.Grid(length, length, length // 2, length // 2)
+                table = head.classify(head.blocks(grid))
+                blocks += int(np.sum(np.asarray(table) != masks.SKIP))
             per_device.append(blocks)
         return per_device
 
-    # in units of one chunk pair (a contiguous pair is 4 zig-zag pairs)
-    assert [4 * w for w in work("contiguous")] == [4, 8, 12, 16]
+    assert work("contiguous") == [3, 7, 11, 15]
     assert work("zigzag") == [9, 9, 9, 9]   # the 36 visible pairs of 8 chunks, shared evenly
 
 
@@ -92,14 +195,29 @@ def test_zigzag_round_trip(rng):
                                   [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(layout="striped"), "layout must be one of"),
-    (dict(is_causal=True, s=8), "is_causal needs query and key shards of the same positions"),
-    (dict(k=3), "key heads K=3 must divide query heads N=4"),
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(layout="striped"), ValueError, "layout must be one of"),
+    (dict(k=3), ValueError, "key heads K=3 must divide query heads N=4"),
+    (dict(mask=masks.lengths(key=jnp.asarray([3], jnp.int32))), ValueError,
+     "cannot use a mask with lengths.*segment ids"),
+    (dict(mask=masks.from_array(jnp.ones((4, 4), bool))), ValueError,
+     "cannot use a mask with from_array.*segment ids"),
+    (dict(mask=jnp.ones((4, 4), bool)), TypeError, "mask must be an attnjax.Mask"),
 ])
-def test_ring_errors(kwargs, message):
-    s, k = kwargs.pop("s", 4), kwargs.pop("k", 2)
+def test_ring_attention_errors(kwargs, error, message):
+    k = kwargs.pop("k", 2)
     q = jnp.ones((1, 4, 4, 8), jnp.float32)
-    key = jnp.ones((1, s, k, 8), jnp.float32)
-    with pytest.raises(ValueError, match=message):
+    key = jnp.ones((1, 4, k, 8), jnp.float32)
+    with pytest.raises(error, match=message):
         ring.ring_attention(q, key, key, axis_name="seq", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mask=masks.segments(jnp.zeros((2, 24), jnp.int32))), "segment_ids="),
+    (dict(segment_ids=jnp.zeros((2, 20), jnp.int32)), r"segment_ids must have shape \[B, T\]"),
+    (dict(positions=jnp.zeros((24,), jnp.int32)), r"positions must have shape \[B, T\]"),
+])
+def test_ring_self_attention_errors(kwargs, message):
+    q = jnp.ones((2, 24, 2, 4), jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        ring.ring_self_attention(q, q, q, _mesh(), **kwargs)

@@ -57,21 +57,33 @@ def _full_length_decoder(module, memory, tgt):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature"))
-def generate(model: DecoderOnly, params, prompt, *, max_new_tokens: int,
+def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new_tokens: int,
              temperature: float = 0.0, rng=None):
     """Continue `prompt [B, P]` by max_new_tokens: `[B, P + max_new_tokens]`.
 
     The prompt is prefilled in one call on the KV cache, then tokens come one at a
     time: the most likely (temperature 0) or sampled from softmax(logits / temperature)
-    with `rng`.
+    with `rng`. Prompts of different lengths are left-padded: with prompt_lengths int
+    `[B]`, example b's prompt is its last prompt_lengths[b] tokens; its positions start
+    at 0 there and nothing attends to the padding before it.
     """
     b, p = prompt.shape
     if temperature > 0.0 and rng is None:
         raise ValueError(f"temperature={temperature} samples and needs an rng; got None")
+    if prompt_lengths is not None and jnp.shape(prompt_lengths) != (b,):
+        raise ValueError(f"prompt_lengths must have shape [B] = ({b},) for prompt {prompt.shape}; "
+                         f"got {jnp.shape(prompt_lengths)}")
     rng = jax.random.key(0) if rng is None else rng
     decoder = model.clone(decode=True)
     total = p + max_new_tokens
     cache = _empty_cache(decoder, jnp.zeros((b, total), jnp.int32))
+    # [B]: the cache slot of each example's first token
+    start = jnp.zeros((b,), jnp.int32) if prompt_lengths is None else (
+        p - jnp.asarray(prompt_lengths, jnp.int32))
+    # [B, P + max_new_tokens]: each slot's position in its example
+    positions = jnp.arange(total, dtype=jnp.int32)[None, :] - start[:, None]
+    # [B, 1, 1, P + max_new_tokens]: the slots that hold the example's tokens
+    mask = (positions >= 0)[:, None, None, :]
 
     def pick(logits, key):
         if temperature > 0.0:
@@ -79,7 +91,7 @@ def generate(model: DecoderOnly, params, prompt, *, max_new_tokens: int,
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     logits, variables = decoder.apply({"params": params, "cache": cache}, prompt,
-                                      mutable=["cache"])
+                                      positions=positions[:, :p], mask=mask, mutable=["cache"])
     tokens = jnp.concatenate([prompt.astype(jnp.int32),
                               jnp.zeros((b, max_new_tokens), jnp.int32)], axis=1)
     first = pick(logits[:, -1], jax.random.fold_in(rng, 0))
@@ -87,8 +99,10 @@ def generate(model: DecoderOnly, params, prompt, *, max_new_tokens: int,
 
     def step(i, state):
         tokens, cache = state
+        slot = p + i - 1
         logits, variables = decoder.apply(
-            {"params": params, "cache": cache}, lax.dynamic_slice_in_dim(tokens, p + i - 1, 1, 1),
+            {"params": params, "cache": cache}, lax.dynamic_slice_in_dim(tokens, slot, 1, 1),
+            positions=lax.dynamic_slice_in_dim(positions, slot, 1, 1), mask=mask,
             mutable=["cache"])
         token = pick(logits[:, -1], jax.random.fold_in(rng, i))
         return lax.dynamic_update_slice_in_dim(tokens, token[:, None], p + i, 1), variables["cache"]

@@ -28,22 +28,30 @@ class FeedForward(nn.Module):
 
 def sinusoids(length: int, d_model: int, offset=0) -> jnp.ndarray:
     """`[L, D]` sin/cos encodings of positions offset..offset+L-1 (the 2017 paper's)."""
+    # [L]
+    positions = offset + lax.broadcasted_iota(jnp.int32, (length,), 0)
+    return _sinusoids_at(positions, d_model)
+
+
+def _sinusoids_at(positions, d_model: int) -> jnp.ndarray:
+    """`[..., L, D]` sin/cos encodings of int positions `[..., L]`."""
     # [D/2]
-    rates = 1.0 / (10000.0 ** (np.arange(0, d_model, 2) / d_model))
-    # [L, 1]
-    positions = (offset + lax.broadcasted_iota(jnp.int32, (length, 1), 0)).astype(jnp.float32)
-    angles = positions * jnp.asarray(rates[None, :], jnp.float32)
-    encoding = jnp.zeros((length, d_model), jnp.float32)
-    encoding = encoding.at[:, 0::2].set(jnp.sin(angles))
-    return encoding.at[:, 1::2].set(jnp.cos(angles[:, : d_model // 2]))
+    rates = jnp.asarray(1.0 / (10000.0 ** (np.arange(0, d_model, 2) / d_model)), jnp.float32)
+    positions = jnp.asarray(positions).astype(jnp.float32)
+    # [..., L, D/2]
+    angles = positions[..., None] * rates.reshape((1,) * positions.ndim + rates.shape)
+    encoding = jnp.zeros(angles.shape[:-1] + (d_model,), jnp.float32)
+    encoding = encoding.at[..., 0::2].set(jnp.sin(angles))
+    return encoding.at[..., 1::2].set(jnp.cos(angles[..., : d_model // 2]))
 
 
 class PositionalEncoding(nn.Module):
     """Adds sinusoidal or learned position encodings to `[B, L, D]` embeddings.
 
-    kind: "sinusoidal", "learned" (a `[max_len, D]` table) or "none". With decode=True
-    the module keeps its own position in the "cache" collection, so tokens fed a chunk
-    at a time get the positions they would have in one full-length call.
+    kind: "sinusoidal", "learned" (a `[max_len, D]` table) or "none". Positions are
+    0..L−1 unless given: int `[B, L]`, e.g. restarting at each sequence packed into a row.
+    With decode=True the module keeps its own count in the "cache" collection, so tokens
+    fed a chunk at a time without positions get those of one full-length call.
     """
 
     max_len: int
@@ -51,7 +59,7 @@ class PositionalEncoding(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, positions=None):
         length, d_model = x.shape[-2], x.shape[-1]
         if self.kind == "none":
             return x
@@ -62,9 +70,14 @@ class PositionalEncoding(nn.Module):
             if initialised:
                 offset = position.value
                 position.value = offset + length
+        if positions is None:
+            # [1, L]
+            positions = offset + lax.broadcasted_iota(jnp.int32, (1, length), 1)
         if self.kind == "sinusoidal":
-            table = sinusoids(length, d_model, offset)
+            # [B|1, L, D]
+            table = _sinusoids_at(positions, d_model)
         else:
             full = self.param("embedding", nn.initializers.normal(0.02), (self.max_len, d_model))
-            table = lax.dynamic_slice_in_dim(full, offset, length)
-        return x + table.astype(x.dtype)[None]
+            # Positions past the table read its last row.
+            table = jnp.take(full, positions, axis=0, mode="clip")
+        return x + table.astype(x.dtype)

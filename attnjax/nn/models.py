@@ -10,6 +10,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from attnjax import masks
 from attnjax.nn.attention import MultiHeadAttention
 from attnjax.nn.layers import FeedForward, PositionalEncoding
 
@@ -122,10 +123,12 @@ class EncoderBlock(nn.Module):
     config: Any
 
     @nn.compact
-    def __call__(self, x, *, lengths=None, deterministic=True, sow_weights=False):
+    def __call__(self, x, *, mask=None, positions=None, deterministic=True, sow_weights=False):
+        """x `[B, S, D]` -> `[B, S, D]`. mask: the self-attention's `attnjax.Mask` (or a
+        bool array); positions: int `[B, S]`, what its order rules read."""
         attend = _attention(self.config, "self")
         x = _Residual(self.config, name="self_residual")(
-            x, lambda h: attend(h, query_lengths=lengths, key_lengths=lengths,
+            x, lambda h: attend(h, mask=mask, positions=_pair(positions),
                                 deterministic=deterministic, sow_weights=sow_weights),
             deterministic=deterministic)
         return _feed_forward(self.config, x, deterministic)
@@ -138,19 +141,29 @@ class DecoderBlock(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, memory=None, *, memory_lengths=None, deterministic=True,
-                 sow_weights=False):
+    def __call__(self, x, memory=None, *, mask=None, memory_mask=None, positions=None,
+                 deterministic=True, sow_weights=False):
+        """x `[B, T, D]`, memory `[B, S, D]` -> `[B, T, D]`. mask: what the causal
+        self-attention hides besides the future (an `attnjax.Mask` or bool array);
+        memory_mask: the cross-attention's; positions: int `[B, T]`, what the causal
+        mask reads (the KV cache reads its own)."""
         attend = _attention(self.config, "self", is_causal=True, decode=self.decode)
         x = _Residual(self.config, name="self_residual")(
-            x, lambda h: attend(h, deterministic=deterministic, sow_weights=sow_weights),
+            x, lambda h: attend(h, mask=mask, positions=_pair(positions),
+                                deterministic=deterministic, sow_weights=sow_weights),
             deterministic=deterministic)
         if memory is not None:
             cross = _attention(self.config, "cross")
             x = _Residual(self.config, name="cross_residual")(
-                x, lambda h: cross(h, memory, key_lengths=memory_lengths,
-                                   deterministic=deterministic, sow_weights=sow_weights),
+                x, lambda h: cross(h, memory, mask=memory_mask, deterministic=deterministic,
+                                   sow_weights=sow_weights),
                 deterministic=deterministic)
         return _feed_forward(self.config, x, deterministic)
+
+
+def _pair(positions):
+    """Per-token positions as self-attention's (query, key) positions."""
+    return None if positions is None else (positions, positions)
 
 
 class _Stack(nn.Module):
@@ -162,16 +175,17 @@ class _Stack(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, memory=None, *, lengths=None, memory_lengths=None, deterministic=True,
-                 sow_weights=False):
+    def __call__(self, x, memory=None, *, mask=None, memory_mask=None, positions=None,
+                 deterministic=True, sow_weights=False):
         for i in range(self.num_layers):
             if self.encoder:
                 x = EncoderBlock(self.config, name=f"layer_{i}")(
-                    x, lengths=lengths, deterministic=deterministic, sow_weights=sow_weights)
+                    x, mask=mask, positions=positions, deterministic=deterministic,
+                    sow_weights=sow_weights)
             else:
                 x = DecoderBlock(self.config, self.decode, name=f"layer_{i}")(
-                    x, memory, memory_lengths=memory_lengths, deterministic=deterministic,
-                    sow_weights=sow_weights)
+                    x, memory, mask=mask, memory_mask=memory_mask, positions=positions,
+                    deterministic=deterministic, sow_weights=sow_weights)
         return nn.LayerNorm(name="ln_final")(x) if self.config.pre_ln else x
 
 
@@ -188,22 +202,32 @@ class _Embed(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, tokens, *, deterministic=True, embed=None):
+    def __call__(self, tokens, positions=None, *, deterministic=True, embed=None):
         embed = embed or nn.Embed(self.vocab_size, self.config.d_model,
                                   embedding_init=_embedding_init(self.config), name="tokens")
         # [B, L, D]
         x = embed(tokens) * jnp.sqrt(jnp.float32(self.config.d_model))
         x = PositionalEncoding(self.config.max_len, self.config.positional, self.decode,
-                               name="positions")(x)
+                               name="positions")(x, positions)
         x = nn.Dropout(self.config.dropout_rate)(x, deterministic=deterministic)
         return x.astype(jnp.dtype(self.config.dtype))
+
+
+def _both(name_a: str, a, name_b: str, b) -> None:
+    if (a is None) != (b is None):
+        given, missing = (name_a, name_b) if b is None else (name_b, name_a)
+        raise ValueError(f"{given} needs {missing} too (cross-attention pairs them); got "
+                         f"{missing}=None")
 
 
 class Transformer(nn.Module):
     """Encoder–decoder Transformer: `(src [B, S], tgt [B, T]) -> logits [B, T, V_tgt]`.
 
-    src_lengths `[B]` marks source padding. With decode=True, `decode` runs on a KV
-    cache (see `attnjax.nn.greedy_decode`).
+    src_lengths `[B]` marks source padding. For sequence packing, src_segment_ids
+    `[B, S]` and tgt_segment_ids `[B, T]` (int; target segment i reads source segment i
+    only) and src_positions / tgt_positions (int, restarting in each segment) place
+    several examples in one row. With decode=True, `decode` runs on a KV cache (see
+    `attnjax.nn.greedy_decode`).
     """
 
     config: TransformerConfig
@@ -221,39 +245,72 @@ class Transformer(nn.Module):
                               name="decoder")
         self.logits = nn.Dense(c.tgt_vocab_size, name="logits")
 
-    def encode(self, src, src_lengths=None, *, deterministic=True, sow_weights=False):
+    def encode(self, src, src_lengths=None, *, src_segment_ids=None, src_positions=None,
+               deterministic=True, sow_weights=False):
         """`[B, S]` tokens -> `[B, S, D]` memory."""
-        x = self.src_embed(src, deterministic=deterministic, embed=self.shared)
-        return self.encoder(x, lengths=src_lengths, deterministic=deterministic,
+        mask = masks.everything()
+        if src_lengths is not None:
+            mask = mask & masks.lengths(query=src_lengths, key=src_lengths)
+        if src_segment_ids is not None:
+            mask = mask & masks.segments(src_segment_ids)
+        x = self.src_embed(src, src_positions, deterministic=deterministic, embed=self.shared)
+        return self.encoder(x, mask=mask, positions=src_positions, deterministic=deterministic,
                             sow_weights=sow_weights)
 
-    def decode_logits(self, tgt, memory, src_lengths=None, *, deterministic=True,
+    def decode_logits(self, tgt, memory, src_lengths=None, *, tgt_segment_ids=None,
+                      src_segment_ids=None, tgt_positions=None, deterministic=True,
                       sow_weights=False):
         """`[B, T]` target tokens and `[B, S, D]` memory -> `[B, T, V_tgt]` logits."""
-        x = self.tgt_embed(tgt, deterministic=deterministic, embed=self.shared)
-        x = self.decoder(x, memory, memory_lengths=src_lengths, deterministic=deterministic,
-                         sow_weights=sow_weights)
+        _both("tgt_segment_ids", tgt_segment_ids, "src_segment_ids", src_segment_ids)
+        mask, memory_mask = masks.everything(), masks.everything()
+        if src_lengths is not None:
+            memory_mask = masks.lengths(key=src_lengths)
+        if tgt_segment_ids is not None:
+            mask = masks.segments(tgt_segment_ids)
+            memory_mask = memory_mask & masks.segments(tgt_segment_ids, src_segment_ids)
+        x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, embed=self.shared)
+        x = self.decoder(x, memory, mask=mask, memory_mask=memory_mask, positions=tgt_positions,
+                         deterministic=deterministic, sow_weights=sow_weights)
         return self.logits(x.astype(jnp.float32))
 
-    def __call__(self, src, tgt, src_lengths=None, *, deterministic=True, sow_weights=False):
-        memory = self.encode(src, src_lengths, deterministic=deterministic,
+    def __call__(self, src, tgt, src_lengths=None, *, src_segment_ids=None,
+                 tgt_segment_ids=None, src_positions=None, tgt_positions=None,
+                 deterministic=True, sow_weights=False):
+        memory = self.encode(src, src_lengths, src_segment_ids=src_segment_ids,
+                             src_positions=src_positions, deterministic=deterministic,
                              sow_weights=sow_weights)
-        return self.decode_logits(tgt, memory, src_lengths, deterministic=deterministic,
-                                  sow_weights=sow_weights)
+        return self.decode_logits(tgt, memory, src_lengths, tgt_segment_ids=tgt_segment_ids,
+                                  src_segment_ids=src_segment_ids, tgt_positions=tgt_positions,
+                                  deterministic=deterministic, sow_weights=sow_weights)
 
 
 class DecoderOnly(nn.Module):
-    """A causal language model: `tokens [B, L] -> logits [B, L, V]`."""
+    """A causal language model: `tokens [B, L] -> logits [B, L, V]`.
+
+    segment_ids `[B, L]` (int) packs several sequences into a row: a token sees the
+    earlier tokens of its own segment only; positions `[B, L]` (int, restarting in each
+    segment) feed the positional encoding and the causal mask. mask hides more keys: an
+    `attnjax.Mask` or a bool array broadcastable to `[B, N, L, S]`, with S the cache
+    length when decode=True (`attnjax.nn.generate` hides left padding this way).
+    """
 
     config: DecoderOnlyConfig
     decode: bool = False
 
     @nn.compact
-    def __call__(self, tokens, *, deterministic=True, sow_weights=False):
+    def __call__(self, tokens, *, segment_ids=None, positions=None, mask=None,
+                 deterministic=True, sow_weights=False):
         c = self.config
-        x = _Embed(c, c.vocab_size, self.decode, name="embed")(tokens, deterministic=deterministic)
+        visible = masks.everything()
+        if mask is not None:
+            visible = mask if isinstance(mask, masks.Mask) else masks.from_array(mask)
+        if segment_ids is not None:
+            visible = visible & masks.segments(segment_ids)
+        x = _Embed(c, c.vocab_size, self.decode, name="embed")(
+            tokens, positions, deterministic=deterministic)
         x = _Stack(c, c.num_layers, encoder=False, decode=self.decode, name="decoder")(
-            x, deterministic=deterministic, sow_weights=sow_weights)
+            x, mask=visible, positions=positions, deterministic=deterministic,
+            sow_weights=sow_weights)
         return nn.Dense(c.vocab_size, name="logits")(x.astype(jnp.float32))
 
 

@@ -1,7 +1,8 @@
-"""Beyond one device (layer 7): meshes, sharded training, ring attention.
+"""Beyond one device (layer 8): meshes, sharded training, ring attention.
 
   mesh      make_mesh ("data", "model"), the Megatron parameter layout, global batches
-  ring      ring_attention (inside shard_map), ring_self_attention on a mesh, zigzag
+  ring      ring_attention (inside shard_map) on the same Mask as every kernel,
+            ring_self_attention on a mesh (segment ids, positions), zigzag
 """
 
 from attnjax.parallel.ring import ring_attention, ring_self_attention, unzigzag, zigzag

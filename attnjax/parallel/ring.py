@@ -1,21 +1,32 @@
-"""Ring attention: exact attention over a sequence sharded across devices.
+"""Ring attention: exact attention over a sequence sharded across devices, on the Mask.
 
 Inside `jax.shard_map`, each of the P devices on `axis_name` holds one shard of the
 queries, keys and values. The key/value shards travel round the ring with
-`lax.ppermute`; every device folds each visiting shard into its own queries' output with
-the online softmax (log-sum-exp combination), so after P steps each device holds the
-exact attention of its queries over the whole sequence. Nothing larger than a shard is
-ever formed: each (query chunk, key chunk) pair runs `attnjax.chunked`'s blocks.
+`lax.ppermute`, and with each shard go its key-side mask arrays (`Mask.key_side`: the
+keys' positions and segment ids), so that at every step the device's mask, bound once
+to its local shapes, describes exactly the shard it holds (`Mask.with_key_side`). Each
+visiting shard is folded into the device's rows by `attnjax.chunked`'s block-sparse
+kernel, and the partial results are combined by their log-sum-exp; after P steps each
+device holds the exact attention of its queries over the whole sequence. Nothing larger
+than a shard is ever formed.
+
+Skipping. Before each step the mask's own block classifier, with the whole shard as one
+block, says whether any query of this device sees any key of the visiting shard (for
+any example and head); a step that sees nothing is skipped (`lax.cond`). Within a step
+the kernel skips the invisible blocks itself, so the zig-zag layout's two chunks per
+shard need no special case: with chunks a multiple of the kernel's blocks (512), no
+block straddles two chunks.
 
 The backward pass is a custom VJP that saves only the output and the log-sum-exp
 (O(T/P) per device) and runs the ring again: the key/value shards travel with their
 gradient accumulators, which arrive home after the last step.
 
-Causal attention and balance: with contiguous shards, device i sees i + 1 shards of
-keys and device P − 1 does P times device 0's work. The zig-zag layout gives device i
-chunks i and 2P − 1 − i of 2P equal chunks, so every device does the same work;
-`zigzag` / `unzigzag` reorder a sequence into and out of it, and `ring_self_attention`
-does all of this for `[B, T, N, H]` arrays on a mesh.
+Positions are global. By default they are the layout's: with the contiguous layout
+shard i holds positions [i·L, (i + 1)·L); with the zig-zag layout it holds chunks i and
+2P − 1 − i of 2P equal chunks, so that under a causal mask every device does the same
+work (with contiguous shards device P − 1 does P times device 0's). `zigzag` /
+`unzigzag` reorder a sequence into and out of that layout, and `ring_self_attention`
+does all of this for global `[B, T, N, H]` arrays on a mesh.
 """
 
 import functools
@@ -24,234 +35,272 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from attnjax import chunked
+from attnjax import _checks, chunked, masks
+from attnjax.attention import map_heads
+from attnjax.core import MASKED
+from attnjax.masks import SKIP, Grid, Mask, Shape
+from attnjax.scores import Score, _logits_dtype
 
 LAYOUTS = ("contiguous", "zigzag")
-_SKIP, _FULL, _DIAGONAL = 0, 1, 2
 
 
-def _chunk_ids(index, num_shards: int, layout: str):
-    """Global chunk numbers held by shard `index`: one (contiguous) or two (zig-zag)."""
-    if layout == "contiguous":
-        return [index]
-    return [index, 2 * num_shards - 1 - index]
+def _shard_positions(index, num_shards: int, length: int, layout: str) -> Int[Array, " L"]:
+    """`[L]` int32: the global positions held by shard `index` (an int, or the traced
+    axis index) of `num_shards` shards of `length` each."""
+    chunks = [index] if layout == "contiguous" else [index, 2 * num_shards - 1 - index]
+    size = length // len(chunks)
+    # [size]
+    offsets = jnp.arange(size, dtype=jnp.int32)
+    return jnp.concatenate([chunk * size + offsets for chunk in chunks])
 
 
-def _case(q_chunk, k_chunk, is_causal: bool):
-    """How a query chunk sees a key chunk: whole, causally (the same chunk), or not."""
-    if not is_causal:
-        return jnp.int32(_FULL)
-    return jnp.where(k_chunk < q_chunk, _FULL, jnp.where(k_chunk == q_chunk, _DIAGONAL, _SKIP))
+# --------------------------------------------------------------------------------------
+# One step: this device's queries against the key/value shard it holds.
 
 
-def _per_head(fn, num_args: int):
-    """`fn(q, k, v, *rows)` on one head's arrays, mapped over batch, K and G: q and the
-    per-row arrays are `[B, L, K, G, ·]`, k and v `[B, L, K, ·]` (shared by G)."""
-    over_groups = jax.vmap(fn, in_axes=(1, None, None) + (1,) * (num_args - 3), out_axes=1)
-    over_heads = jax.vmap(over_groups, in_axes=1, out_axes=1)
-    return jax.vmap(over_heads, in_axes=0, out_axes=0)
+def _sees(query, key, value, mask: Mask) -> Bool[Array, ""]:
+    """Whether any query of this shard may see any key of the visiting one, in any
+    example or head: the mask's block classifier with one block per shard."""
+
+    def shard_class(q, k, v, mask):
+        t, s = q.shape[0], k.shape[0]
+        return (mask.classify(mask.blocks(Grid(t, s, t, s)))[0, 0],)
+
+    # [B, K, G]
+    (classes,) = map_heads(shard_class, query, key, value, (mask,), rows_first=(False,))
+    return jnp.any(classes != SKIP)
 
 
-def _block_forward(q, k, v, case, scale):
-    """Out `[B, C, K, G, V]` (float32) and lse `[B, C, K, G]` of q against one k/v chunk."""
-
-    def run(is_causal):
-        def one(q, k, v):
-            out, lse = chunked.forward_with_lse(q, k, v, is_causal=is_causal, scale=scale)
-            return out.astype(jnp.float32), lse
-        return _per_head(one, 3)(q, k, v)
-
-    def skip():
-        b, c, kh, g, _ = q.shape
-        return (jnp.zeros((b, c, kh, g, v.shape[-1]), jnp.float32),
-                jnp.full((b, c, kh, g), -jnp.inf, jnp.float32))
-
-    return lax.switch(case, [skip, lambda: run(False), lambda: run(True)])
+def _attend_shard(query, key, value, mask: Mask, score: Score):
+    """Output `[B, N, T, V]` and log-sum-exp `[B, N, T]`, both in the accumulation
+    dtype (float32, or float64), of the queries against one key/value shard."""
+    b, t, n, _ = query.shape
+    # [B, K, G, T, V], [B, K, G, T]
+    out, lse = map_heads(chunked.forward_with_lse, query, key, value, (mask, score),
+                         rows_first=(False, False))
+    return out.reshape(b, n, t, -1).astype(lse.dtype), lse.reshape(b, n, t)
 
 
-def _block_backward(q, k, v, out, lse, d_out, case, scale):
-    """float32 (d_q, d_k, d_v) of q's row share against one k/v chunk."""
-
-    def run(is_causal):
-        def one(q, k, v, out, lse, d_out):
-            return chunked.backward_with_lse(q, k, v, out, lse, d_out, is_causal=is_causal,
-                                             scale=scale)
-        d_q, d_k, d_v = _per_head(one, 6)(q, k, v, out, lse, d_out)
-        # k/v are shared by the G query heads of a group: their gradients add up
-        return d_q, d_k.sum(axis=3), d_v.sum(axis=3)
-
-    def skip():
-        return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-                jnp.zeros(v.shape, jnp.float32))
-
-    return lax.switch(case, [skip, lambda: run(False), lambda: run(True)])
+def _shard_grads(query, key, value, mask: Mask, score: Score, out, lse, d_out):
+    """float32 `(d_query [B, T, N, H], d_key [B, S, K, H], d_value [B, S, K, V])` of
+    one key/value shard's share of the rows; out `[B, N, T, V]`, lse `[B, N, T]` and
+    d_out `[B, N, T, V]` are of the whole rows."""
+    b, t, n, h = query.shape
+    # [B, T, K, G, H], [B, S, K, G, H], [B, S, K, G, V]
+    d_q, d_k, d_v = map_heads(chunked.backward_with_lse, query, key, value,
+                              (mask, score, out, lse, d_out), rows_first=(True, True, True))
+    # k and v are shared by the G query heads of a group: their gradients add up
+    return d_q.reshape(b, t, n, h), d_k.sum(axis=3), d_v.sum(axis=3)
 
 
 def _combine(out, lse, block_out, block_lse):
-    """Online softmax across blocks: the normalised outputs weighted by their mass."""
-    # [B, C, K, G]
+    """Two partial softmaxes of the same rows as one: each normalised output weighted
+    by its share of the rows' total mass. A part that saw nothing has lse = MASKED and
+    weight exp(MASKED − total) = 0; a row that saw nothing keeps zeros and an lse at
+    MASKED (to rounding), which `chunked.backward_with_lse` reads as nothing seen."""
+    # [B, N, T]: finite, as both parts are
     total = jnp.logaddexp(lse, block_lse)
-    # Rows that have seen nothing stay at −inf: shift by 0 so both weights are 0.
-    shift = jnp.where(jnp.isfinite(total), total, 0.0)
-    mine, theirs = jnp.exp(lse - shift), jnp.exp(block_lse - shift)
+    mine, theirs = jnp.exp(lse - total), jnp.exp(block_lse - total)
     return out * mine[..., None] + block_out * theirs[..., None], total
 
 
-def _chunks(x, count: int):
-    """x split along its length axis (1) into `count` equal chunks."""
-    size = x.shape[1] // count
-    return [x[:, i * size:(i + 1) * size] for i in range(count)]
+# --------------------------------------------------------------------------------------
+# The ring, forward and backward.
 
 
-def _ring_forward(q, k, v, axis_name, is_causal, scale, layout):
-    """Output `[B, T, K, G, V]` in q's dtype and float32 lse `[B, T, K, G]`."""
+def _ring_forward(query, key, value, mask: Mask, axis_name, score: Score):
+    """Output `[B, N, T, V]` in the input dtype and log-sum-exp `[B, N, T]`."""
     p = lax.axis_size(axis_name)
-    me = lax.axis_index(axis_name)
-    count = 1 if layout == "contiguous" else 2
-    q_chunks, q_ids = _chunks(q, count), _chunk_ids(me, p, layout)
+    b, t, n, _ = query.shape
+    acc = _logits_dtype(value.dtype)
     ring = [(i, (i + 1) % p) for i in range(p)]
 
-    def fold(step, k, v, outs, lses):
-        """Folds the k/v shard held at `step` (device me − step's) into every row."""
-        k_ids = _chunk_ids((me - step) % p, p, layout)
-        outs, lses = list(outs), list(lses)
-        for a, q_chunk in enumerate(q_chunks):
-            for b, (k_chunk, v_chunk) in enumerate(zip(_chunks(k, count), _chunks(v, count))):
-                case = _case(q_ids[a], k_ids[b], is_causal)
-                block = _block_forward(q_chunk, k_chunk, v_chunk, case, scale)
-                outs[a], lses[a] = _combine(outs[a], lses[a], *block)
-        return outs, lses
+    def fold(key, value, key_side, out, lse):
+        """Folds the key/value shard held now, with its key-side mask arrays."""
+        visiting = mask.with_key_side(key_side)
+        part = lax.cond(
+            _sees(query, key, value, visiting),
+            lambda: _attend_shard(query, key, value, visiting, score),
+            lambda: (jnp.zeros(out.shape, acc), jnp.full(lse.shape, MASKED, acc)))
+        return _combine(out, lse, *part)
 
-    def step_and_pass(step, carry):
-        k, v, outs, lses = carry
-        outs, lses = fold(step, k, v, outs, lses)
-        k, v = lax.ppermute((k, v), axis_name, ring)
-        return k, v, outs, lses
+    def step_and_pass(_, carry):
+        key, value, key_side, out, lse = carry
+        out, lse = fold(key, value, key_side, out, lse)
+        key, value, key_side = lax.ppermute((key, value, key_side), axis_name, ring)
+        return key, value, key_side, out, lse
 
-    # [B, C, K, G, V] and [B, C, K, G] per query chunk
-    outs = [jnp.zeros(c.shape[:-1] + v.shape[-1:], jnp.float32) for c in q_chunks]
-    lses = [jnp.full(c.shape[:-1], -jnp.inf, jnp.float32) for c in q_chunks]
-    k, v, outs, lses = lax.fori_loop(0, p - 1, step_and_pass, (k, v, outs, lses))
-    outs, lses = fold(p - 1, k, v, outs, lses)   # the last shard needs no passing on
-    out = jnp.concatenate(outs, axis=1).astype(q.dtype)
-    return out, jnp.concatenate(lses, axis=1)
+    # [B, N, T, V], [B, N, T]
+    out = jnp.zeros((b, n, t, value.shape[-1]), acc)
+    lse = jnp.full((b, n, t), MASKED, acc)
+    key, value, key_side, out, lse = lax.fori_loop(
+        0, p - 1, step_and_pass, (key, value, mask.key_side(), out, lse))
+    out, lse = fold(key, value, key_side, out, lse)   # the last shard needs no passing on
+    return out.astype(query.dtype), lse
 
 
-def _ring_backward(q, k, v, out, lse, d_out, axis_name, is_causal, scale, layout):
-    """float32 (d_q, d_k, d_v); d_k/d_v travel with their shard and end at home."""
+def _ring_backward(query, key, value, mask: Mask, axis_name, score: Score, out, lse,
+                   d_out):
+    """float32 (d_query, d_key, d_value); d_key/d_value travel with their shard and
+    end at home."""
     p = lax.axis_size(axis_name)
-    me = lax.axis_index(axis_name)
-    count = 1 if layout == "contiguous" else 2
-    q_ids = _chunk_ids(me, p, layout)
-    rows = list(zip(_chunks(q, count), _chunks(out, count), _chunks(lse, count),
-                    _chunks(d_out, count)))
+    acc = _logits_dtype(value.dtype)
     ring = [(i, (i + 1) % p) for i in range(p)]
-    size = k.shape[1] // count
 
-    def accumulate(step, k, v, d_k, d_v, d_q):
-        """Adds the gradients of the pairs with the k/v shard held at `step`."""
-        k_ids = _chunk_ids((me - step) % p, p, layout)
-        d_q = list(d_q)
-        for a, (q_chunk, out_chunk, lse_chunk, d_out_chunk) in enumerate(rows):
-            for b, (k_chunk, v_chunk) in enumerate(zip(_chunks(k, count), _chunks(v, count))):
-                case = _case(q_ids[a], k_ids[b], is_causal)
-                dq, dk, dv = _block_backward(q_chunk, k_chunk, v_chunk, out_chunk, lse_chunk,
-                                             d_out_chunk, case, scale)
-                d_q[a] = d_q[a] + dq
-                d_k = d_k.at[:, b * size:(b + 1) * size].add(dk)
-                d_v = d_v.at[:, b * size:(b + 1) * size].add(dv)
-        return d_k, d_v, d_q
+    def accumulate(key, value, key_side, d_key, d_value, d_query):
+        """Adds the gradients of this device's rows' share in the shard held now."""
+        visiting = mask.with_key_side(key_side)
+        d_q, d_k, d_v = lax.cond(
+            _sees(query, key, value, visiting),
+            lambda: _shard_grads(query, key, value, visiting, score, out, lse, d_out),
+            lambda: tuple(jnp.zeros(x.shape, acc) for x in (query, key, value)))
+        return d_key + d_k, d_value + d_v, d_query + d_q
 
-    def step_and_pass(step, carry):
-        k, v, d_k, d_v, d_q = carry
-        d_k, d_v, d_q = accumulate(step, k, v, d_k, d_v, d_q)
-        k, v, d_k, d_v = lax.ppermute((k, v, d_k, d_v), axis_name, ring)
-        return k, v, d_k, d_v, d_q
+    def step_and_pass(_, carry):
+        key, value, key_side, d_key, d_value, d_query = carry
+        d_key, d_value, d_query = accumulate(key, value, key_side, d_key, d_value, d_query)
+        key, value, key_side, d_key, d_value = lax.ppermute(
+            (key, value, key_side, d_key, d_value), axis_name, ring)
+        return key, value, key_side, d_key, d_value, d_query
 
-    d_q = [jnp.zeros(r[0].shape, jnp.float32) for r in rows]
-    d_k, d_v = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    k, v, d_k, d_v, d_q = lax.fori_loop(0, p - 1, step_and_pass, (k, v, d_k, d_v, d_q))
-    d_k, d_v, d_q = accumulate(p - 1, k, v, d_k, d_v, d_q)
-    # the accumulators take the last hop home; k and v are done
-    d_k, d_v = lax.ppermute((d_k, d_v), axis_name, ring)
-    return jnp.concatenate(d_q, axis=1), d_k, d_v
+    d_key, d_value, d_query = (jnp.zeros(x.shape, acc) for x in (key, value, query))
+    key, value, key_side, d_key, d_value, d_query = lax.fori_loop(
+        0, p - 1, step_and_pass, (key, value, mask.key_side(), d_key, d_value, d_query))
+    d_key, d_value, d_query = accumulate(key, value, key_side, d_key, d_value, d_query)
+    # the accumulators take the last hop home; the keys and values are done
+    d_key, d_value = lax.ppermute((d_key, d_value), axis_name, ring)
+    return d_query, d_key, d_value
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring(q, k, v, axis_name, is_causal, scale, layout):
-    return _ring_forward(q, k, v, axis_name, is_causal, scale, layout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(query, key, value, mask, axis_name, scale):
+    return _ring_forward(query, key, value, mask, axis_name, Score(scale))[0]
 
 
-def _ring_fwd(q, k, v, axis_name, is_causal, scale, layout):
-    out, lse = _ring_forward(q, k, v, axis_name, is_causal, scale, layout)
-    return out, (q, k, v, out, lse)
+def _ring_fwd(query, key, value, mask, axis_name, scale):
+    out, lse = _ring_forward(query, key, value, mask, axis_name, Score(scale))
+    return out, (query, key, value, mask, out, lse)
 
 
-def _ring_bwd(axis_name, is_causal, scale, layout, residuals, d_out):
-    q, k, v, out, lse = residuals
-    d_q, d_k, d_v = _ring_backward(q, k, v, out, lse, d_out, axis_name, is_causal, scale, layout)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
+def _ring_bwd(axis_name, scale, residuals, d_out):
+    query, key, value, mask, out, lse = residuals
+    d_query, d_key, d_value = _ring_backward(query, key, value, mask, axis_name,
+                                             Score(scale), out, lse, d_out)
+    # the mask holds integer positions and segment ids: no cotangent
+    return (d_query.astype(query.dtype), d_key.astype(key.dtype),
+            d_value.astype(value.dtype), None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(query, key, value, *, axis_name: str, is_causal: bool = False,
-                   scale: float | None = None, layout: str = "contiguous"):
+# --------------------------------------------------------------------------------------
+# Public API.
+
+
+def ring_attention(
+    query: Float[Array, "B T N H"],
+    key: Float[Array, "B S K H"],
+    value: Float[Array, "B S K V"],
+    *,
+    axis_name: str,
+    mask: Mask | None = None,
+    positions: tuple[Int[ArrayLike, "..."], Int[ArrayLike, "..."]] | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    layout: str = "contiguous",
+) -> Float[Array, "B T N V"]:
     """Exact attention of this device's query shard over every device's keys and values.
 
     Call inside `jax.shard_map(..., check_vma=False)` with the sequence axis sharded
-    over `axis_name` (the chunked kernel's loop carries start replicated, which the
-    varying-axes type check would refuse).
+    over `axis_name` (the kernels' loop carries and the skipped steps' zeros start
+    replicated, which the varying-axes type check would refuse). Every argument is
+    this device's shard. score_mod, bias and sinks are not supported here, nor masks
+    that read array indices (`masks.lengths`, `masks.from_array`): an index means
+    nothing once a key shard has left home.
 
     Args:
       query: `[B, T, N, H]`, this device's shard of the queries.
       key: `[B, S, K, H]`, this device's shard of the keys; K divides N (grouped-query
         attention when K < N).
-      value: `[B, S, K, V]`.
+      value: `[B, S, K, V]`, this device's shard of the values.
       axis_name: the mesh axis the sequence is sharded over.
-      is_causal: key j visible to query i when j ≤ i (global positions; needs the query
-        and key shards to be the same positions, T = S).
+      mask: an `attnjax.Mask` built from this device's shards of the per-position
+        arrays, e.g. `masks.segments(q_ids, k_ids)` with q_ids `[B, T]` and k_ids
+        `[B, S]` (the key ids travel round the ring with the keys), combined with rules
+        of positions (`causal`, `window`, `prefix`, `chunked_causal`, `from_fn`).
+        Padding is a segment id that no query (or no key) carries.
+      positions: `(query_positions, key_positions)`, int `[B, T]` and `[B, S]` (or
+        `[T]` and `[S]`): the global positions of this device's queries and keys (the
+        key positions travel with the keys). Default: those of `layout`, aligned
+        bottom-right as in `attnjax.dot_product_attention`: global query i sits at
+        i + P·(S − T).
+      is_causal: adds `masks.causal()`: key j visible to query i when its position is
+        not after the query's.
       scale: multiplies the logits; default 1/√H.
-      layout: which positions each shard holds: "contiguous" (shard i holds the i-th of P
-        equal parts) or "zigzag" (chunks i and 2P − 1 − i of 2P; see `zigzag`), which
-        balances causal work.
+      layout: which positions each shard holds by default: "contiguous" (shard i holds
+        the i-th of P equal parts) or "zigzag" (chunks i and 2P − 1 − i of 2P; see
+        `zigzag`), which balances causal work.
 
     Returns:
-      `[B, T, N, V]`: this shard's rows of the attention over the whole sequence.
+      `[B, T, N, V]` in the input dtype: this shard's rows of the attention over the
+      whole sequence. A query that sees no key gets zeros, and zero gradients.
     """
-    _check(query, key, value, is_causal, layout)
+    _check(query, key, value, layout)
+    mask = _ring_mask(mask, is_causal)
     b, t, n, h = query.shape
-    heads = key.shape[2]
-    scale = h ** -0.5 if scale is None else scale
-    # [B, T, K, G, H]
-    q = query.reshape(b, t, heads, n // heads, h)
-    out = _ring(q, key, value, axis_name, is_causal, float(scale), layout)
-    return out.reshape(b, t, n, value.shape[-1])
+    s = key.shape[1]
+    if positions is None:
+        p = lax.axis_size(axis_name)
+        me = lax.axis_index(axis_name)
+        positions = (_shard_positions(me, p, t, layout) + p * (s - t),
+                     _shard_positions(me, p, s, layout))
+    bound = mask.bind(Shape(b, t, s, n), positions)
+    # [B, N, T, V]
+    out = _ring(query, key, value, bound, axis_name, _checks.resolve_scale(scale, h))
+    return jnp.transpose(out, (0, 2, 1, 3))
 
 
-def _check(query, key, value, is_causal, layout):
+def _check(query, key, value, layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be [B, L, heads, dim]; got shape {x.shape}")
+    for name, x, shape in (("query", query, "[B, T, N, H]"), ("key", key, "[B, S, K, H]"),
+                           ("value", value, "[B, S, K, V]")):
+        _checks.check_rank(name, x, (4,), shape)
+        _checks.check_floating(name, x)
+    _checks.check_same_dtype(query=query, key=key, value=value)
+    shapes = (f"query {_checks.shape_str(query.shape)} [B, T, N, H], key "
+              f"{_checks.shape_str(key.shape)} [B, S, K, H], value "
+              f"{_checks.shape_str(value.shape)} [B, S, K, V]")
     if key.shape[:3] != value.shape[:3]:
-        raise ValueError(f"key [B, S, K, H] and value [B, S, K, V] must agree on B, S, K; got "
-                         f"key {key.shape}, value {value.shape}")
+        raise ValueError(f"key and value must agree on B, S and K; got {shapes}")
     if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
-        raise ValueError(f"query [B, T, N, H] and key [B, S, K, H] must agree on B and H; got "
-                         f"query {query.shape}, key {key.shape}")
+        raise ValueError(f"query and key must agree on B and H; got {shapes}")
     if query.shape[2] % key.shape[2]:
         raise ValueError(f"key heads K={key.shape[2]} must divide query heads "
-                         f"N={query.shape[2]}")
-    if is_causal and query.shape[1] != key.shape[1]:
-        raise ValueError(f"is_causal needs query and key shards of the same positions; got "
-                         f"T={query.shape[1]}, S={key.shape[1]}")
+                         f"N={query.shape[2]}; got {shapes}")
     if layout == "zigzag" and (query.shape[1] % 2 or key.shape[1] % 2):
-        raise ValueError(f"the zigzag layout splits each shard in two; got shard lengths "
-                         f"T={query.shape[1]}, S={key.shape[1]}")
+        raise ValueError(f"the zigzag layout splits each shard in two halves; got shard "
+                         f"lengths T={query.shape[1]}, S={key.shape[1]}")
+
+
+def _ring_mask(mask, is_causal: bool) -> Mask:
+    """The user's mask (every key when None), checked, with causal added if asked."""
+    if mask is None:
+        mask = masks.everything()
+    if not isinstance(mask, Mask):
+        raise TypeError(f"mask must be an attnjax.Mask (e.g. masks.segments(q_ids, k_ids) "
+                        f"of this device's shards); got {type(mask).__name__}")
+    by_index = [part.kind for part in mask.rule.parts() if part.by_index]
+    if by_index:
+        raise ValueError(
+            f"ring_attention cannot use a mask with {' and '.join(by_index)}: it reads "
+            f"array indices, which do not follow a key/value shard round the ring; got "
+            f"{mask!r}. Express padding with segment ids (masks.segments, with an id that "
+            f"no query or no key carries) or with positions")
+    return mask & masks.causal() if is_causal else mask
 
 
 def zigzag(x, num_shards: int, axis: int = 1):
@@ -277,22 +326,101 @@ def _zigzag_order(length: int, num_shards: int):
     return jnp.concatenate([jnp.arange(c * size, (c + 1) * size) for c in order])
 
 
-def ring_self_attention(query, key, value, mesh: Mesh, *, axis: str = "seq",
-                        is_causal: bool = False, scale: float | None = None,
-                        batch_axis: str | None = None, head_axis: str | None = None):
+def ring_self_attention(
+    query: Float[Array, "B T N H"],
+    key: Float[Array, "B T K H"],
+    value: Float[Array, "B T K V"],
+    mesh: Mesh,
+    *,
+    axis: str = "seq",
+    is_causal: bool = False,
+    scale: float | None = None,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    mask: Mask | None = None,
+    segment_ids: Int[ArrayLike, "B T"] | None = None,
+    positions: Int[ArrayLike, "B T"] | None = None,
+) -> Float[Array, "B T N V"]:
     """Ring attention on global `[B, T, N, H]` arrays, the sequence sharded over `axis`.
 
-    Causal attention runs in the zig-zag layout (reordered here and back), so every
-    device does the same work. batch_axis / head_axis optionally shard B and the heads.
+    Causal attention (`is_causal`, or a mask holding `masks.causal()`) runs in the
+    zig-zag layout (q, k, v, segment ids and positions are reordered here and the
+    output back), so every device does the same work; anything else runs contiguous.
+    score_mod, bias and sinks are not supported (see `ring_attention`).
+
+    Args:
+      query: `[B, T, N, H]`.
+      key: `[B, T, K, H]`; K divides N.
+      value: `[B, T, K, V]`.
+      mesh: a mesh with the axis `axis` (and `batch_axis` / `head_axis` if given).
+      axis: the mesh axis the sequence is sharded over; its size P must divide T (2P
+        for the zig-zag layout).
+      is_causal: key j visible to query i when j's position is not after i's.
+      scale: multiplies the logits; default 1/√H.
+      batch_axis: a mesh axis to shard B over, or None.
+      head_axis: a mesh axis to shard the heads N and K over, or None.
+      mask: an `attnjax.Mask` of rules without per-position arrays, used on every
+        shard: `causal`, `window`, `chunked_causal`, `prefix(int)`, `from_fn`, and
+        their `&` / `|`. Segment ids and positions go in `segment_ids` / `positions`,
+        which are sharded with the sequence.
+      segment_ids: int `[B, T]`: sequence packing, query i sees key j only when they
+        carry the same id.
+      positions: int `[B, T]`: the positions the mask's rules read; default 0..T−1.
+
+    Returns:
+      `[B, T, N, V]` in the input dtype.
     """
+    _checks.check_rank("query", query, (4,), "[B, T, N, H]")
+    b, t = query.shape[:2]
+    mask = _array_free(mask)
+    per_position = {}
+    for name, x in (("segment_ids", segment_ids), ("positions", positions)):
+        if x is not None:
+            _checks.check_lengths(name, x, (b, t), "[B, T]")
+            per_position[name] = x
     p = mesh.shape[axis]
-    layout = "zigzag" if is_causal else "contiguous"
+    causal = is_causal or any(isinstance(part, masks.Causal) for part in mask.rule.parts())
+    layout = "zigzag" if causal else "contiguous"
+    chunks = 2 * p if layout == "zigzag" else p
+    if t % chunks:
+        raise ValueError(f"the {layout} layout needs the query length T={t} divisible by "
+                         f"{chunks} ({'two chunks on each of ' if layout == 'zigzag' else ''}"
+                         f"the P={p} devices of mesh axis {axis!r})")
+
+    def local(query, key, value, per_position):
+        local_mask = mask
+        if "segment_ids" in per_position:
+            local_mask = local_mask & masks.segments(per_position["segment_ids"])
+        local_positions = per_position.get("positions")
+        return ring_attention(
+            query, key, value, axis_name=axis, mask=local_mask, is_causal=is_causal,
+            scale=scale, layout=layout,
+            positions=None if local_positions is None else (local_positions,
+                                                            local_positions))
+
     spec = PartitionSpec(batch_axis, axis, head_axis, None)
-    attend = jax.shard_map(
-        functools.partial(ring_attention, axis_name=axis, is_causal=is_causal, scale=scale,
-                          layout=layout),
-        mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
-    if not is_causal:
-        return attend(query, key, value)
+    rows = {name: PartitionSpec(batch_axis, axis) for name in per_position}
+    attend = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, rows),
+                           out_specs=spec, check_vma=False)
+    if layout == "contiguous":
+        return attend(query, key, value, per_position)
     query, key, value = (zigzag(x, p) for x in (query, key, value))
-    return unzigzag(attend(query, key, value), p)
+    per_position = {name: zigzag(x, p) for name, x in per_position.items()}
+    return unzigzag(attend(query, key, value, per_position), p)
+
+
+def _array_free(mask) -> Mask:
+    """ring_self_attention's mask, refused if it holds per-position arrays (they would
+    need sharding and reordering with the sequence)."""
+    if mask is None:
+        return masks.everything()
+    if not isinstance(mask, Mask):
+        raise TypeError(f"mask must be an attnjax.Mask; got {type(mask).__name__}")
+    shapes = [_checks.shape_str(jnp.shape(x)) for x in jax.tree.leaves(mask) if jnp.ndim(x)]
+    if shapes:
+        raise ValueError(
+            f"ring_self_attention's mask may hold only rules without arrays (causal, "
+            f"window, chunked_causal, prefix(int), from_fn); got {mask!r} holding arrays "
+            f"{', '.join(shapes)}. Pass packed sequences as segment_ids= (global [B, T]) "
+            f"and positions as positions=, which are sharded with the sequence")
+    return mask

@@ -2,6 +2,7 @@
 
     python train_toy.py                                  # configs/copy.yaml -> runs/copy
     python train_toy.py --config configs/dates.yaml --set optim.learning_rate=1e-3
+    python train_toy.py --set model.kind=decoder_only --set data.pack=true
     python train_toy.py --mesh data=2,model=2            # 4 devices: data and heads split
     python train_toy.py --coordinator 127.0.0.1:1234 --num-processes 2 --process-id 0
 
@@ -25,13 +26,14 @@ import numpy as np
 import yaml
 from jax.experimental import multihost_utils
 
-from attnjax.nn import attention_maps
+from attnjax.nn import DecoderOnly, attention_maps
 from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import make_task
 from attnjax.toy import train as training
 from attnjax.toy.checkpoints import Checkpoints
 from attnjax.toy.config import Config, ConfigError, dump_config, load_config
 from attnjax.toy.report import MetricsLog, Progress, plot_attention, plot_curves, write_samples
+from attnjax.toy.sequences import DecoderOnlyFormat
 from attnjax.toy.tasks import BOS, EOS
 
 DEFAULT_CONFIG = Path("configs/copy.yaml")
@@ -52,13 +54,16 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def _check_workdir_config(workdir: Path, config: Config) -> None:
-    """A workdir with checkpoints belongs to one config; resuming with another is an error."""
+    """A workdir with checkpoints belongs to one config; resuming with another is an error.
+    A key the saved config lacks (written before the key existed) has its default."""
     saved_path = workdir / "config.yaml"
     if not saved_path.exists() or not (workdir / "checkpoints").exists():
         return
     saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
     current = _flatten(dataclasses.asdict(config))
-    differ = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    default = _flatten(dataclasses.asdict(Config()))
+    differ = sorted(k for k in saved.keys() | current.keys()
+                    if saved.get(k, default.get(k)) != current.get(k))
     if differ:
         raise ConfigError(f"{workdir} holds a run with another config (it differs in "
                           f"{', '.join(differ)}); use another --workdir or delete that one")
@@ -128,7 +133,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def _evaluate(model, params, task, eval_batch, config, step: int, mesh):
     start = time.perf_counter()
-    predictions = training.predict(model, params, eval_batch, config.eval_batch_size, mesh)
+    predictions = training.predict(model, task, params, eval_batch, config.eval_batch_size, mesh)
     scores = training.accuracies(predictions, eval_batch.tgt_out)
     record = {"step": step, "eval_token_accuracy": scores["token_accuracy"],
               "eval_exact_match": scores["exact_match"], "eval_s": time.perf_counter() - start}
@@ -142,10 +147,19 @@ def _plot_attention(path: Path, model, params, task, eval_batch, predictions) ->
     predicted = list(predictions[0])
     predicted = predicted[: predicted.index(EOS) + 1] if EOS in predicted else predicted
     tgt_in = np.array([[BOS] + predicted[:-1]], np.int32)
-    _, state = model.apply({"params": params}, eval_batch.src[:1, :length], tgt_in,
-                           eval_batch.src_lengths[:1], sow_weights=True, mutable=["intermediates"])
-    src_tokens = [task.src_vocab.token(int(t)) for t in eval_batch.src[0, :length]]
-    tgt_tokens = [task.tgt_vocab.token(int(t)) for t in tgt_in[0]]
+    if isinstance(model, DecoderOnly):
+        # one sequence: source, separator and the prediction but its last token
+        layout = DecoderOnlyFormat(task)
+        tokens = np.concatenate([layout.src_ids[eval_batch.src[:1, :length]], tgt_in], axis=1)
+        _, state = model.apply({"params": params}, tokens, sow_weights=True,
+                               mutable=["intermediates"])
+        src_tokens = tgt_tokens = [layout.vocab.token(int(t)) for t in tokens[0]]
+    else:
+        _, state = model.apply({"params": params}, eval_batch.src[:1, :length], tgt_in,
+                               eval_batch.src_lengths[:1], sow_weights=True,
+                               mutable=["intermediates"])
+        src_tokens = [task.src_vocab.token(int(t)) for t in eval_batch.src[0, :length]]
+        tgt_tokens = [task.tgt_vocab.token(int(t)) for t in tgt_in[0]]
     plot_attention(path, attention_maps(state["intermediates"]), src_tokens, tgt_tokens)
 
 
@@ -170,6 +184,7 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
 
     task = make_task(config.task)
     model = training.make_model(config, task)
+    output_vocab = DecoderOnlyFormat(task).vocab if isinstance(model, DecoderOnly) else None
     optimizer = training.make_optimizer(config.optim, config.steps)
     try:
         state = training.init_state(model, optimizer, task, config.seed, mesh)
@@ -211,7 +226,8 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
                                                          config, step, mesh)
                     metrics.write(eval_record)
                     if primary:
-                        write_samples(workdir / "samples.txt", task, eval_batch, predictions)
+                        write_samples(workdir / "samples.txt", task, eval_batch, predictions,
+                                      vocab=output_vocab)
                     progress.message(
                         f"step {step}: held-out exact match "
                         f"{eval_record['eval_exact_match']:.4f}, token accuracy "
@@ -240,7 +256,8 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
                                              config.steps, mesh)
     params = multihost_utils.process_allgather(state.params, tiled=True)  # a collective
     if primary:
-        write_samples(workdir / "samples.txt", task, eval_batch, predictions)
+        write_samples(workdir / "samples.txt", task, eval_batch, predictions,
+                      vocab=output_vocab)
         plot_curves(workdir / "curves.png", metrics.records)
         _plot_attention(workdir / "attention.png", model, params, task, eval_batch, predictions)
     return {"task": config.task.name, "steps": config.steps,

@@ -1,6 +1,6 @@
 """The training configuration: frozen dataclasses read from YAML, with dotted overrides.
 
-A config file has the sections of `Config` (task, model, optim) and its top-level
+A config file has the sections of `Config` (task, model, data, optim) and its top-level
 fields; `load_config(path, overrides)` reads it with `yaml.safe_load`, applies
 `key.sub=value` overrides, and checks every key and type. Any mistake is a
 `ConfigError` whose one-line message names the key and lists the valid ones.
@@ -18,6 +18,7 @@ from attnjax.toy.dates import DatesTask
 
 TASKS = ("copy", "reverse", "sort", "dates")
 SCHEDULES = ("cosine", "inverse_sqrt")
+KINDS = ("encoder_decoder", "decoder_only")
 
 
 class ConfigError(ValueError):
@@ -37,11 +38,32 @@ class TaskConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig(BlockConfig):
-    """The encoder–decoder's shape; vocabularies come from the task."""
+    """The model's kind and shape; vocabularies come from the task.
 
+    kind "encoder_decoder": a `Transformer` with num_encoder_layers and
+    num_decoder_layers. kind "decoder_only": a `DecoderOnly` whose num_decoder_layers
+    layers read source, separator and target as one causal sequence (num_encoder_layers
+    unused).
+    """
+
+    kind: str = "encoder_decoder"
     num_encoder_layers: int = 2
     num_decoder_layers: int = 2
     max_len: int = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """How examples fill the rows of a training batch (evaluation is never packed).
+
+    pack: several examples per row, each seeing only itself (segment ids) with its
+    positions restarting at 0; decoder-only models only. packed_len: the row length
+    when packing; null is the longest example, so that a packed row costs what an
+    unpacked one does and holds more examples.
+    """
+
+    pack: bool = False
+    packed_len: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,6 +87,7 @@ class Config:
 
     task: TaskConfig = TaskConfig()
     model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     steps: int = 1000
     batch_size: int = 128
@@ -90,17 +113,37 @@ class Config:
         if not 1 <= self.task.min_len <= self.task.max_len:
             raise ConfigError(f"task needs 1 <= min_len <= max_len; got min_len="
                               f"{self.task.min_len}, max_len={self.task.max_len}")
-        longest = DatesTask.src_len if self.task.name == "dates" else self.task.max_len + 1
+        if self.model.kind not in KINDS:
+            raise ConfigError(f"model.kind must be one of {KINDS}; got {self.model.kind!r}")
+        src_len, tgt_len = task_lengths(self.task)
+        if self.model.kind == "decoder_only":
+            longest, what = src_len + tgt_len + 1, "of source, separator and target"
+        else:
+            longest, what = max(src_len, tgt_len + 1), "with bos/eos"
         if self.model.max_len < longest:
             raise ConfigError(f"model.max_len={self.model.max_len} must cover the task's longest "
-                              f"sequence ({longest} tokens with bos/eos); got task.max_len="
+                              f"sequence ({longest} tokens {what}); got task.max_len="
                               f"{self.task.max_len}")
+        if self.data.pack and self.model.kind != "decoder_only":
+            raise ConfigError(f"data.pack=true needs model.kind=decoder_only (the encoder–decoder "
+                              f"trains on unpacked rows); got model.kind={self.model.kind}")
+        packed_len = self.data.packed_len
+        if packed_len is not None and packed_len < src_len + tgt_len + 1:
+            raise ConfigError(f"data.packed_len={packed_len} must hold the task's longest example "
+                              f"({src_len + tgt_len + 1} tokens: source, separator and target)")
         if self.optim.schedule not in SCHEDULES:
             raise ConfigError(f"optim.schedule must be one of {SCHEDULES}; got "
                               f"{self.optim.schedule!r}")
         if not 0.0 <= self.optim.label_smoothing < 1.0:
             raise ConfigError(f"optim.label_smoothing must lie in [0, 1); got "
                               f"{self.optim.label_smoothing}")
+
+
+def task_lengths(task: TaskConfig) -> tuple[int, int]:
+    """The longest source and target of a task, in symbols (without bos/eos)."""
+    if task.name == "dates":
+        return DatesTask.src_len, DatesTask.tgt_len
+    return task.max_len, task.max_len
 
 
 def _check_type(value, kind, key: str):

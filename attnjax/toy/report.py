@@ -87,13 +87,18 @@ class Progress:
             self.bar.close()
 
 
-def write_samples(path: Path, task, batch, predictions: np.ndarray, count: int = 20) -> None:
-    """samples.txt: source / prediction / target for the first held-out examples."""
+def write_samples(path: Path, task, batch, predictions: np.ndarray, count: int = 20, *,
+                  vocab=None) -> None:
+    """samples.txt: source / prediction / target for the first held-out examples.
+
+    vocab: the predictions' vocabulary, when it extends the task's target vocabulary (a
+    decoder-only model's joint one); by default the target vocabulary."""
     join = "" if task.name == "dates" else " "
+    vocab = task.tgt_vocab if vocab is None else vocab
     lines = []
     for i in range(min(count, len(batch.src))):
         source = task.src_vocab.decode(batch.src[i], join=join)
-        prediction = task.tgt_vocab.decode(predictions[i], join=join)
+        prediction = vocab.decode(predictions[i], join=join)
         target = task.tgt_vocab.decode(batch.tgt_out[i], join=join)
         mark = "ok" if prediction == target else "WRONG"
         lines += [f"source:     {source}", f"prediction: {prediction}  ({mark})",

@@ -1,5 +1,10 @@
 """Model, optimiser, the jit-compiled train step, and greedy evaluation.
 
+Two kinds of model (`config.model.kind`): the encoder–decoder `Transformer` trains on the
+task's batches as they are; the `DecoderOnly` model on one causal sequence per example,
+or several packed into a row (`attnjax.toy.sequences`). Both are scored on the same
+held-out batch, by greedy decoding on the KV cache.
+
 Everything random is a function of the seed and the step: the batch of step s comes
 from `np.random.default_rng([seed, 0, s])` and its dropout key is
 `fold_in(dropout_key(seed), s)`, so a run resumed from a checkpoint continues exactly as an
@@ -21,8 +26,16 @@ import optax
 
 from jax.experimental import multihost_utils
 
-from attnjax.nn import Transformer, TransformerConfig, greedy_decode
+from attnjax.nn import (
+    DecoderOnly,
+    DecoderOnlyConfig,
+    Transformer,
+    TransformerConfig,
+    generate,
+    greedy_decode,
+)
 from attnjax.parallel import mesh as mesh_lib
+from attnjax.toy.sequences import DecoderOnlyFormat, Sequences
 from attnjax.toy.tasks import BOS, EOS, PAD, Batch
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
@@ -45,9 +58,15 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def make_model(config, task) -> Transformer:
-    """The encoder–decoder for `config.model`, sized for the task's vocabularies."""
+def make_model(config, task) -> Transformer | DecoderOnly:
+    """The model `config.model` names, sized for the task's vocabularies: the
+    encoder–decoder, or the decoder-only model over their joint vocabulary."""
     fields = dataclasses.asdict(config.model)
+    if fields.pop("kind") == "decoder_only":
+        fields.pop("num_encoder_layers")
+        layers = fields.pop("num_decoder_layers")
+        return DecoderOnly(DecoderOnlyConfig(**fields, num_layers=layers,
+                                             vocab_size=DecoderOnlyFormat(task).vocab.size))
     return Transformer(TransformerConfig(**fields, src_vocab_size=task.src_vocab.size,
                                          tgt_vocab_size=task.tgt_vocab.size))
 
@@ -80,34 +99,57 @@ def example_batch(task, size: int) -> Batch:
     return task.sample(np.random.default_rng(0), size)
 
 
-def init_state(model: Transformer, optimizer, task, seed: int, mesh) -> TrainState:
+def model_batch(model, task, batch: Batch) -> Batch | Sequences:
+    """A task's batch as `model` reads it: as it is for the encoder–decoder, one
+    sequence per row for the decoder-only model."""
+    if isinstance(model, DecoderOnly):
+        return DecoderOnlyFormat(task).rows(batch)
+    return batch
+
+
+def init_state(model, optimizer, task, seed: int, mesh) -> TrainState:
     """Fresh parameters from `key(seed)` and a zero optimiser state, laid out on the
     mesh (Megatron layout over "model", replicated over "data")."""
-    batch = example_batch(task, 2)
+    batch = model_batch(model, task, example_batch(task, 2))
 
     def init():
-        params = model.init(init_key(seed), batch.src, batch.tgt_in, batch.src_lengths)["params"]
+        params = model.init(init_key(seed), *_inputs(batch))["params"]
         return TrainState(jnp.int32(0), params, optimizer.init(params))
 
     return jax.jit(init, out_shardings=mesh_lib.shardings(jax.eval_shape(init), mesh))()
 
 
-def loss_and_metrics(params, batch: Batch, model: Transformer, label_smoothing: float,
-                     rng=None):
-    """Label-smoothed cross-entropy averaged over the target tokens (pad excluded);
-    dropout when an rng is given."""
+def _inputs(batch: Batch | Sequences) -> tuple:
+    """The positional arguments of the model a batch is for."""
+    if isinstance(batch, Sequences):
+        return (batch.tokens,)
+    return batch.src, batch.tgt_in, batch.src_lengths
+
+
+def _logits_and_labels(model, params, batch: Batch | Sequences, **kwargs):
+    """`[B, L, V]` logits and `[B, L]` labels (pad: no loss) of either kind of batch."""
+    if isinstance(batch, Sequences):
+        logits = model.apply({"params": params}, batch.tokens, segment_ids=batch.segment_ids,
+                             positions=batch.positions, **kwargs)
+        return logits, batch.labels
+    return model.apply({"params": params}, *_inputs(batch), **kwargs), batch.tgt_out
+
+
+def loss_and_metrics(params, batch: Batch | Sequences, model, label_smoothing: float, rng=None):
+    """Label-smoothed cross-entropy averaged over the target tokens (eos included; pad
+    and, for the decoder-only model, the prompt excluded); dropout when an rng is given.
+    metrics["tokens"] counts those target tokens: the same for an example wherever it
+    sits, packed or not."""
     deterministic = rng is None
-    # [B, T, V]
-    logits = model.apply({"params": params}, batch.src, batch.tgt_in, batch.src_lengths,
-                         deterministic=deterministic,
-                         rngs=None if deterministic else {"dropout": rng})
-    # [B, T]
-    weights = (batch.tgt_out != PAD).astype(jnp.float32)
-    labels = optax.smooth_labels(jax.nn.one_hot(batch.tgt_out, logits.shape[-1]),
-                                 label_smoothing)
+    # [B, L, V], [B, L]
+    logits, labels = _logits_and_labels(model, params, batch, deterministic=deterministic,
+                                        rngs=None if deterministic else {"dropout": rng})
+    # [B, L]
+    weights = (labels != PAD).astype(jnp.float32)
+    smoothed = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
     tokens = weights.sum()
-    loss = (optax.softmax_cross_entropy(logits, labels) * weights).sum() / tokens
-    correct = ((jnp.argmax(logits, -1) == batch.tgt_out) * weights).sum()
+    loss = (optax.softmax_cross_entropy(logits, smoothed) * weights).sum() / tokens
+    correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
     return loss, {"loss": loss, "accuracy": correct / tokens, "tokens": tokens}
 
 
@@ -139,25 +181,46 @@ def eval_set(task, config) -> Batch:
                        held=True)
 
 
-def train_batch(task, config, step: int, mesh) -> Batch:
+def train_batch(task, config, step: int, mesh) -> Batch | Sequences:
     """The global training batch of `step`, a function of (seed, step) alone, split over
-    the mesh's "data" axis. Every process draws it whole and places its own shards."""
-    batch = task.sample(np.random.default_rng([config.seed, TRAIN_STREAM, step]),
-                        config.batch_size)
-    return Batch(*(mesh_lib.put(x, mesh_lib.batch_sharding(mesh)) for x in batch))
+    the mesh's "data" axis. Every process draws it whole and places its own shards.
+
+    config.batch_size examples for the encoder–decoder, as many sequences for the
+    decoder-only model, or with data.pack config.batch_size rows of packed examples."""
+    rng = np.random.default_rng([config.seed, TRAIN_STREAM, step])
+    if config.data.pack:
+        layout = DecoderOnlyFormat(task)
+        batch = layout.packed(task, rng, config.batch_size,
+                              config.data.packed_len or layout.length)
+    elif config.model.kind == "decoder_only":
+        batch = DecoderOnlyFormat(task).rows(task.sample(rng, config.batch_size))
+    else:
+        batch = task.sample(rng, config.batch_size)
+    return type(batch)(*(mesh_lib.put(x, mesh_lib.batch_sharding(mesh)) for x in batch))
 
 
-def predict(model: Transformer, params, batch: Batch, batch_size: int, mesh) -> np.ndarray:
-    """Greedy decoding with the KV cache, in chunks: `[B, T]` tokens, eos then pad."""
+def predict(model, task, params, batch: Batch, batch_size: int, mesh) -> np.ndarray:
+    """Greedy decoding with the KV cache, in chunks: `[B, T]` target tokens, eos then
+    pad. The encoder–decoder decodes from the source, the decoder-only model continues
+    source and separator; its tokens past the target vocabulary (source symbols) are
+    simply wrong."""
     chunks = np.array_split(np.arange(len(batch.src)), -(-len(batch.src) // batch_size))
     max_len = batch.tgt_out.shape[1]
     everywhere = mesh_lib.replicated(mesh)
-    return np.concatenate([
-        multihost_utils.process_allgather(greedy_decode(
+    if isinstance(model, DecoderOnly):
+        prompt, lengths = DecoderOnlyFormat(task).prompts(batch)
+        decode = lambda c: generate(  # noqa: E731
+            model, params, mesh_lib.put(prompt[c], everywhere),
+            mesh_lib.put(lengths[c], everywhere), max_new_tokens=max_len)[:, prompt.shape[1]:]
+    else:
+        decode = lambda c: greedy_decode(  # noqa: E731
             model, params, mesh_lib.put(batch.src[c], everywhere),
             mesh_lib.put(batch.src_lengths[c], everywhere), max_len=max_len, bos_id=BOS,
-            eos_id=EOS, pad_id=PAD), tiled=True)
-        for c in chunks])
+            eos_id=EOS, pad_id=PAD)
+    tokens = np.concatenate([multihost_utils.process_allgather(decode(c), tiled=True)
+                             for c in chunks])
+    # pad after the first eos, as greedy_decode leaves it
+    return np.where(np.cumsum(tokens == EOS, axis=1) - (tokens == EOS) > 0, PAD, tokens)
 
 
 def accuracies(predictions: np.ndarray, targets: np.ndarray) -> dict:

@@ -1,0 +1,67 @@
+"""Mapping a function of one head over the batch and the heads.
+
+Queries are grouped as `[B, T, K, G, H]`: N = K·G query heads over K key/value heads.
+Each argument of a mapped function has one of three layouts:
+
+  "rows"   `[B, L, K, G, ...]`   queries, outputs: a length axis before the heads
+  "kv"     `[B, L, K, ...]`      keys and values, shared by the G heads of a group
+  "heads"  `[B|1, K|1, G|1, ...]` per-call arrays (a bound Mask's, a Score's, Options'),
+                                 heads first; a unit axis is shared by every head
+
+`group` lays `[B|1, N|1, ...]` arrays out as "heads"; `over_heads` maps a one-head
+function over B, K and G so that each head gets its own slice of every argument.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# layout -> the axis holding B, K and G, each after the ones before it are removed
+_AXES = {"rows": (0, 1, 1), "kv": (0, 1, None), "heads": (0, 0, 0)}
+
+
+def group(tree, num_heads: int, num_kv_heads: int):
+    """Every leaf `[B|1, N|1, ...]` of `tree` as `[B|1, K|1, G|1, ...]` (N = K·G)."""
+    def one(x):
+        heads = ((num_kv_heads, num_heads // num_kv_heads)
+                 if x.shape[1] == num_heads and num_heads > 1 else (1, 1))
+        return x.reshape(x.shape[:1] + heads + x.shape[2:])
+    return jax.tree.map(one, tree)
+
+
+def over_heads(fn, sizes: tuple[int, int, int], in_layouts: tuple, out_layouts: tuple):
+    """`fn(*args)` of one head, mapped over (B, K, G) = `sizes`.
+
+    in_layouts names each argument's layout (None: not mapped); fn returns a tuple laid
+    out as out_layouts ("rows" or "heads"; a None output stays None). A unit axis is
+    indexed away and re-inserted instead of vmapped, which keeps unit dims out of every
+    intermediate (XLA otherwise copies whole blocks of logits to move them).
+    """
+    mapped = fn
+    for level in (2, 1, 0):  # G innermost, then K, then B
+        mapped = _map_level(mapped, sizes[level],
+                            [None if lay is None else _AXES[lay][level] for lay in in_layouts],
+                            [_AXES[lay][level] for lay in out_layouts])
+    return mapped
+
+
+def _map_level(fn, size: int, in_axes: list, out_axes: list):
+    def mapped(*args):
+        leaf_axes, squeezed = [], []
+        for arg, axis in zip(args, in_axes):
+            if axis is None:
+                leaf_axes.append(None)
+                squeezed.append(arg)
+                continue
+            # Mapped where the leaf has this axis whole; a unit axis is shared.
+            whole = lambda x, axis=axis: size > 1 and x.shape[axis] == size  # noqa: E731
+            leaf_axes.append(jax.tree.map(lambda x, w=whole, a=axis: a if w(x) else None, arg))
+            squeezed.append(jax.tree.map(
+                lambda x, w=whole, a=axis: x if w(x) else lax.squeeze(x, (a,)), arg))
+        if size > 1:
+            return jax.vmap(fn, in_axes=tuple(leaf_axes), out_axes=tuple(out_axes))(*squeezed)
+        outs = fn(*squeezed)
+        return tuple(jax.tree.map(lambda x, a=axis: jnp.expand_dims(x, a), out)
+                     for out, axis in zip(outs, out_axes))
+
+    return mapped

@@ -1,0 +1,155 @@
+"""The engine through the layers above it: the KV cache by positions and a filled
+length, the pure and Flax multi-head attention passing masks, positions, score_mods and
+sinks through, and chunked single-token steps."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnjax
+from attnjax import masks, nn, scores
+
+B, D, N, K = 2, 12, 4, 2
+
+
+def _x(rng, *shape):
+    return jax.random.normal(rng, shape, jnp.float32)
+
+
+def _perturbed(params, rng, scale=0.1):
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(rng, len(leaves))
+    return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
+                                     for x, k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_cached_decoding_on_either_kernel_equals_the_full_forward(rng, implementation):
+    length = 19
+    x = _x(rng, B, length, D)
+    full = nn.MultiHeadAttention(num_heads=N, num_kv_heads=K, is_causal=True, window=(6, 0),
+                                 implementation=implementation)
+    params = _perturbed(full.init(rng, x)["params"], jax.random.fold_in(rng, 1))
+    expected = full.apply({"params": params}, x)
+    cached = full.clone(decode=True)
+    cache = cached.init(rng, x)["cache"]
+    step = jax.jit(lambda cache, piece: cached.apply(
+        {"params": params, "cache": cache}, piece, mutable=["cache"]))
+    start = 0
+    for size in (5, 1, 1, 7, 1, 4):   # a prefill, single tokens, chunks
+        out, variables = step(cache, x[:, start:start + size])
+        cache = variables["cache"]
+        np.testing.assert_allclose(out, expected[:, start:start + size], rtol=1e-5, atol=1e-5)
+        start += size
+    assert start == length
+
+
+def test_the_cache_builds_no_query_by_cache_mask(rng):
+    """A decoding step describes the cache by positions and its filled length: nothing
+    in the step is a boolean array as long as the cache (the old [T, S_cache] mask)."""
+    capacity = 4096
+    x = _x(rng, 1, capacity, D)
+    module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True,
+                                   implementation="chunked")
+    variables = module.init(rng, x[:, :8])
+    cache = jax.tree.map(lambda c: jnp.zeros((1, capacity) + c.shape[2:], c.dtype)
+                         if c.ndim == 4 else c, variables["cache"])
+    step = lambda cache, piece: module.apply(  # noqa: E731
+        {"params": variables["params"], "cache": cache}, piece, mutable=["cache"])
+    jaxpr = jax.make_jaxpr(step)(cache, x[:, :1])
+    shapes = {tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars
+              if getattr(v.aval, "dtype", None) == jnp.bool_}
+    shapes |= _nested_bool_shapes(jaxpr.jaxpr)
+    assert not [s for s in shapes if s and s[-1] == capacity], shapes
+
+
+def _nested_bool_shapes(jaxpr):
+    found = set()
+    for eqn in jaxpr.eqns:
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            for inner in sub.eqns:
+                found |= {tuple(v.aval.shape) for v in inner.outvars
+                          if getattr(v.aval, "dtype", None) == jnp.bool_}
+            found |= _nested_bool_shapes(sub)
+    return found
+
+
+@pytest.mark.parametrize("t, s", [(1, 1), (1, 23), (9, 1), (2, 7)])
+def test_chunked_takes_single_queries_and_single_keys(rng, t, s):
+    keys = jax.random.split(rng, 3)
+    q, k, v = _x(keys[0], B, t, N, 8), _x(keys[1], B, s, K, 8), _x(keys[2], B, s, K, 5)
+    bias = _x(keys[0], 1, N, t, s)
+
+    def run(implementation):
+        def loss(q, k, v, bias):
+            out = attnjax.dot_product_attention(q, k, v, bias, is_causal=True,
+                                                implementation=implementation)
+            return jnp.sum(out * jnp.cos(jnp.arange(5.0, dtype=jnp.float32))[None, None, None]), out
+        return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+
+    (grads, out), (dense_grads, dense_out) = run("chunked"), run("dense")
+    np.testing.assert_allclose(out, dense_out, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(grads, dense_grads):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_multi_head_attention_passes_masks_positions_score_mods_and_sinks(rng):
+    params = attnjax.init_multi_head_attention(rng, in_features=D, num_heads=N, num_kv_heads=K)
+    x = _x(jax.random.fold_in(rng, 1), B, 10, D)
+    ids = jnp.array([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3], jnp.int32)
+    positions = jnp.array([list(range(4)) + list(range(6)), list(range(7)) + list(range(3))],
+                          jnp.int32)
+    sinks = _x(jax.random.fold_in(rng, 2), N)
+    options = dict(mask=masks.causal() & masks.segments(ids), positions=(positions, positions),
+                   score_mod=scores.soft_cap(5.0), sinks=sinks)
+    out, lse = attnjax.multi_head_attention(params, x, return_residual=True, **options)
+    chex.assert_shape((out, lse), ((B, 10, D), (B, 10, N)))
+    # Each packed document alone gives the same rows.
+    for b, cut in ((0, 4), (1, 7)):
+        for lo, hi in ((0, cut), (cut, 10)):
+            alone = attnjax.multi_head_attention(
+                params, x[b:b + 1, lo:hi], is_causal=True, score_mod=scores.soft_cap(5.0),
+                sinks=sinks)
+            np.testing.assert_allclose(out[b:b + 1, lo:hi], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_flax_module_learns_sinks_and_applies_its_score_mod(rng):
+    x = _x(rng, B, 9, D)
+    module = nn.MultiHeadAttention(num_heads=N, is_causal=True, use_sinks=True,
+                                   score_mod=scores.soft_cap(3.0))
+    params = _perturbed(module.init(rng, x)["params"], jax.random.fold_in(rng, 1))
+    chex.assert_shape(params["sinks"], (N,))
+    got = module.apply({"params": params}, x)
+    q, k, v = (jnp.einsum("BLD,DNH->BLNH", x, params[name]["kernel"])
+               + params[name]["bias"][None, None] for name in ("query", "key", "value"))
+    heads = attnjax.dot_product_attention(q, k, v, is_causal=True, sinks=params["sinks"],
+                                          score_mod=scores.soft_cap(3.0))
+    expected = (jnp.einsum("BLNV,NVF->BLF", heads, params["out"]["kernel"])
+                + params["out"]["bias"][None, None])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    grads = jax.grad(lambda p: jnp.sum(module.apply({"params": p}, x) ** 2))(params)
+    assert np.all(np.abs(np.asarray(grads["sinks"])) > 0)
+
+
+def test_flax_module_takes_a_mask_value_and_positions(rng):
+    x = _x(rng, B, 8, D)
+    module = nn.MultiHeadAttention(num_heads=N)
+    params = _perturbed(module.init(rng, x)["params"], rng)
+    prefix_lm = masks.causal() | masks.prefix(3)
+    got = module.apply({"params": params}, x, mask=prefix_lm)
+    dense = np.tril(np.ones((8, 8), bool)) | (np.arange(8)[None, :] < 3)
+    expected = module.apply({"params": params}, x, mask=jnp.asarray(dense)[None, None])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    # Positions shifted by a constant leave a causal mask unchanged; reversed, they flip it.
+    causal = nn.MultiHeadAttention(num_heads=N, is_causal=True)
+    shifted = jnp.arange(8, dtype=jnp.int32) + 100
+    reversed_ = jnp.arange(8, dtype=jnp.int32)[::-1]
+    base = causal.apply({"params": params}, x)
+    np.testing.assert_allclose(
+        causal.apply({"params": params}, x, positions=(shifted, shifted)), base, rtol=1e-6)
+    flipped = causal.apply({"params": params}, x[:, ::-1], positions=(reversed_, reversed_))
+    anti = nn.MultiHeadAttention(num_heads=N).apply(
+        {"params": params}, x[:, ::-1], mask=jnp.asarray(np.triu(np.ones((8, 8), bool))))
+    np.testing.assert_allclose(flipped, anti, rtol=1e-5, atol=1e-6)

@@ -459,36 +459,32 @@ def attend(
     return _rows_first(out, plan.t), _rows_first(lse, plan.t), None
 
 
-def _one_head(q, k, v, mask, score):
-    """One head's arrays as a batch of one example and one head."""
-    unit = lambda x: x[None, None, None]  # noqa: E731
-    return (q[None, :, None, None], k[None, :, None], v[None, :, None],
-            jax.tree.map(unit, mask), jax.tree.map(unit, score))
-
-
-def forward_with_lse(q, k, v, mask: Mask, score: Score):
-    """Output `[T, V]` and log-sum-exp `[T]` of one head against these keys only (no
-    dropout, no sinks). Not differentiable itself: its pair `backward_with_lse` is,
-    given the output and log-sum-exp of the whole row. For ring attention."""
-    q, k, v, mask, score = _one_head(q, k, v, mask, score)
-    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score, None,
-                                                             None, 0.0)
+def forward_with_lse(q, k, v, mask: Mask, score: Score, block_sizes=(None, None)):
+    """Output `[B, T, K, G, V]` and log-sum-exp `[B, T, K, G]` against these keys only
+    (no dropout, no sinks); arguments as for `attend`. Not differentiable itself: its
+    pair `backward_with_lse` is, given the output and log-sum-exp of the whole rows.
+    For ring attention, which folds key/value shards in one at a time."""
+    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
+                                                             *block_sizes, 0.0)
     out, lse = _forward(plan, mod, q, k, v, mask, bias, None, consts, None, _visits(table))
-    return out[0, 0, 0, : plan.t], lse[0, 0, 0, : plan.t]
+    return _rows_first(out, plan.t), _rows_first(lse, plan.t)
 
 
-def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out):
-    """float32 `(d_q, d_k, d_v)` of these keys' share of each row's attention.
+def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
+                      block_sizes=(None, None)):
+    """float32 `(d_q [B, T, K, G, H], d_k [B, S, K, H], d_v [B, S, K, V])` of these
+    keys' share of each row's attention.
 
-    out, lse and d_out are of the whole row (every key shard together): this share's
-    weights are exp(logits − lse), so the shares' gradients add up to the row's.
+    out `[B, T, K, G, V]`, lse `[B, T, K, G]` and d_out are of the whole rows (every key
+    shard together): this share's weights are exp(logits − lse), so the shares'
+    gradients add up to the rows'.
     """
-    q, k, v, mask, score = _one_head(q, k, v, mask, score)
-    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score, None,
-                                                             None, 0.0)
-    heads_first = lambda x: _pad_axis(x, plan.padded_t, 0)[None, None, None]  # noqa: E731
+    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
+                                                             *block_sizes, 0.0)
+    # [B, K, G, Tp, ·]
+    heads_first = lambda x: jnp.moveaxis(_pad_axis(x, plan.padded_t, 1), 1, 3)  # noqa: E731
     d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None,
                                   _visits(table.T), heads_first(out), heads_first(lse),
                                   heads_first(d_out), None)
     # q entered pre-scaled: the chain rule applies the scale to d_q
-    return (d_q[0, 0, 0, : plan.t] * score.scale, d_k[0, : plan.s, 0], d_v[0, : plan.s, 0])
+    return _rows_first(d_q, plan.t) * score.scale, d_k[:, : plan.s], d_v[:, : plan.s]

@@ -30,6 +30,7 @@ does all of this for global `[B, T, N, H]` arrays on a mesh.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from attnjax import _checks, chunked, masks
+from attnjax import _checks, chunked, heads, masks
 from attnjax.attention import map_heads
 from attnjax.core import MASKED
 from attnjax.masks import SKIP, Grid, Mask, Shape
@@ -73,14 +74,33 @@ def _sees(query, key, value, mask: Mask) -> Bool[Array, ""]:
     return jnp.any(classes != SKIP)
 
 
+def _block_sizes(t: int, s: int) -> tuple[int | None, int | None]:
+    """Kernel blocks that divide each half of a shard where they can, so that no block
+    straddles the two chunks of a zig-zag shard (and misses the skipping)."""
+    def fit(length):
+        size = math.gcd(chunked.DEFAULT_BLOCK_Q, max(length // 2, 1))
+        return size if size >= 64 else None
+    return fit(t), fit(s)
+
+
+def _grouped(query, key, mask: Mask, score: Score):
+    """Queries as `[B, T, K, G, H]` and the mask and score laid out per head."""
+    b, t, n, h = query.shape
+    kv_heads = key.shape[2]
+    mask, score = heads.group((mask, score), n, kv_heads)
+    return query.reshape(b, t, kv_heads, n // kv_heads, h), mask, score
+
+
 def _attend_shard(query, key, value, mask: Mask, score: Score):
     """Output `[B, N, T, V]` and log-sum-exp `[B, N, T]`, both in the accumulation
     dtype (float32, or float64), of the queries against one key/value shard."""
     b, t, n, _ = query.shape
-    # [B, K, G, T, V], [B, K, G, T]
-    out, lse = map_heads(chunked.forward_with_lse, query, key, value, (mask, score),
-                         rows_first=(False, False))
-    return out.reshape(b, n, t, -1).astype(lse.dtype), lse.reshape(b, n, t)
+    grouped, mask, score = _grouped(query, key, mask, score)
+    # [B, T, K, G, V], [B, T, K, G]
+    out, lse = chunked.forward_with_lse(grouped, key, value, mask, score,
+                                        _block_sizes(t, key.shape[1]))
+    out = jnp.moveaxis(out.reshape(b, t, n, -1), 1, 2)
+    return out.astype(lse.dtype), jnp.moveaxis(lse.reshape(b, t, n), 1, 2)
 
 
 def _shard_grads(query, key, value, mask: Mask, score: Score, out, lse, d_out):
@@ -88,11 +108,13 @@ def _shard_grads(query, key, value, mask: Mask, score: Score, out, lse, d_out):
     one key/value shard's share of the rows; out `[B, N, T, V]`, lse `[B, N, T]` and
     d_out `[B, N, T, V]` are of the whole rows."""
     b, t, n, h = query.shape
-    # [B, T, K, G, H], [B, S, K, G, H], [B, S, K, G, V]
-    d_q, d_k, d_v = map_heads(chunked.backward_with_lse, query, key, value,
-                              (mask, score, out, lse, d_out), rows_first=(True, True, True))
-    # k and v are shared by the G query heads of a group: their gradients add up
-    return d_q.reshape(b, t, n, h), d_k.sum(axis=3), d_v.sum(axis=3)
+    grouped, mask, score = _grouped(query, key, mask, score)
+    # [B, N, T, ·] -> [B, T, K, G, ·]
+    rows = lambda x: jnp.moveaxis(x, 2, 1).reshape(grouped.shape[:4] + x.shape[3:])  # noqa: E731
+    d_q, d_k, d_v = chunked.backward_with_lse(grouped, key, value, mask, score, rows(out),
+                                              rows(lse), rows(d_out),
+                                              _block_sizes(t, key.shape[1]))
+    return d_q.reshape(b, t, n, h), d_k, d_v
 
 
 def _combine(out, lse, block_out, block_lse):

@@ -99,7 +99,7 @@ def dot_product_attention(
         the dense implementation can.
       return_residual: also return the log-sum-exp of each row's logits, `[B, T, N]`
         (jax.nn's name and layout), differentiable. A row that sees no key (and no
-        sink) has log-sum-exp −0.7·float32max (`attnjax.core.MASKED`), never −inf.
+        sink) has log-sum-exp −1e30 (`attnjax.core.MASKED`), never −inf.
       implementation: "dense" (materialises the `[T, S]` weights of each head),
         "chunked" (block-sparse online softmax: O(T + S) memory forward and backward,
         blocks the mask hides skipped) or "cudnn" (delegates to

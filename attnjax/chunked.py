@@ -21,7 +21,6 @@ arrays it closes over (`jax.closure_convert`), the sinks and the bias.
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -153,3 +153,26 @@ def test_flax_module_takes_a_mask_value_and_positions(rng):
     anti = nn.MultiHeadAttention(num_heads=N).apply(
         {"params": params}, x[:, ::-1], mask=jnp.asarray(np.triu(np.ones((8, 8), bool))))
     np.testing.assert_allclose(flipped, anti, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_masked_calls_create_no_inf_or_nan(rng, implementation):
+    """Under jax.debug_infs / debug_nans, every masked path runs, forward and backward:
+    rows that see nothing, padding, segments, a score_mod, sinks and the log-sum-exp."""
+    keys = jax.random.split(rng, 4)
+    q, k, v = _x(keys[0], 2, 9, N, 8), _x(keys[1], 2, 13, K, 8), _x(keys[2], 2, 13, K, 8)
+    q_ids = jnp.array([[0] * 3 + [1] * 6, [2] * 9], jnp.int32)   # row 1 sees no key
+    k_ids = jnp.array([[0] * 5 + [1] * 8, [0] * 13], jnp.int32)
+
+    def loss(q, k, v, sinks):
+        out, lse = attnjax.dot_product_attention(
+            q, k, v, mask=masks.causal() & masks.segments(q_ids, k_ids),
+            key_lengths=jnp.array([10, 4], jnp.int32), score_mod=scores.soft_cap(5.0),
+            sinks=sinks, return_residual=True, implementation=implementation,
+            block_sizes=(8, 8) if implementation == "chunked" else None)
+        return jnp.sum(out ** 2) + jnp.sum(lse)
+
+    with jax.debug_infs(True), jax.debug_nans(True):
+        for sinks in (None, _x(keys[3], N)):
+            grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, sinks)
+            chex.assert_tree_all_finite(grads)

@@ -29,7 +29,7 @@ from jaxtyping import Array, Float
 
 from attnjax import heads
 from attnjax.core import FLOOR, MASKED
-from attnjax.masks import FULL, PARTIAL, SKIP, Grid, Mask
+from attnjax.masks import FULL, PARTIAL, SKIP, Grid, Mask, pad_axis, slice_block
 from attnjax.options import Options
 from attnjax.scores import Score, _logits_dtype
 
@@ -83,25 +83,6 @@ def _table(plan: _Plan, mask: Mask, sizes) -> Array:
     return table
 
 
-def _slice_2d(x, row, rows: int, col, cols: int):
-    """x[row:row+rows, col:col+cols]; a unit (broadcast) axis is kept whole."""
-    if x.shape[0] > 1:
-        x = lax.dynamic_slice_in_dim(x, row, rows, 0)
-    if x.shape[1] > 1:
-        x = lax.dynamic_slice_in_dim(x, col, cols, 1)
-    return x
-
-
-def _pad_axis(x, size: int, axis: int, *, broadcast: bool = False):
-    """Zero-pad axis to `size`. With broadcast=True (a bias) a unit axis stays as it is:
-    it applies to every row (or column)."""
-    if x is None or x.shape[axis] == size or (broadcast and x.shape[axis] == 1):
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis % x.ndim] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
-
-
 class _Blocks:
     """Per-block logits and dropout of one head, shared by both passes.
 
@@ -119,7 +100,7 @@ class _Blocks:
         # [bq, bk]
         s = jnp.einsum("TH,SH->TS", q_i, k_j, preferred_element_type=_logits_dtype(q_i.dtype))
         if self.bias is not None:
-            s = s + _slice_2d(self.bias, i * p.block_q, p.block_q, j * p.block_k,
+            s = s + slice_block(self.bias, i * p.block_q, p.block_q, j * p.block_k,
                               p.block_k).astype(s.dtype)
         return s
 
@@ -418,10 +399,10 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate):
     mask = mask.padded(plan.padded_t, plan.padded_s)
     table = _table(plan, mask, (b, kv_heads, g))
     # q scaled once, rather than every [bq, bk] block of logits; [B, K, G, Tp, H]
-    q = jnp.moveaxis(_pad_axis(q * jnp.asarray(score.scale, q.dtype), plan.padded_t, 1), 1, 3)
-    k, v = _pad_axis(k, plan.padded_s, 1), _pad_axis(v, plan.padded_s, 1)
-    bias = None if score.bias is None else _pad_axis(
-        _pad_axis(score.bias, plan.padded_t, -2, broadcast=True), plan.padded_s, -1,
+    q = jnp.moveaxis(pad_axis(q * jnp.asarray(score.scale, q.dtype), plan.padded_t, 1), 1, 3)
+    k, v = pad_axis(k, plan.padded_s, 1), pad_axis(v, plan.padded_s, 1)
+    bias = None if score.bias is None else pad_axis(
+        pad_axis(score.bias, plan.padded_t, -2, broadcast=True), plan.padded_s, -1,
         broadcast=True)
     mod, consts = None, []
     if score.mod is not None:
@@ -481,7 +462,7 @@ def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
                                                              *block_sizes, 0.0)
     # [B, K, G, Tp, ·]
-    heads_first = lambda x: jnp.moveaxis(_pad_axis(x, plan.padded_t, 1), 1, 3)  # noqa: E731
+    heads_first = lambda x: jnp.moveaxis(pad_axis(x, plan.padded_t, 1), 1, 3)  # noqa: E731
     d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None,
                                   _visits(table.T), heads_first(out), heads_first(lse),
                                   heads_first(d_out), None)

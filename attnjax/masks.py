@@ -393,7 +393,7 @@ class Segments(Rule):
         return Segments(query, key)
 
     def padded(self, t, s):
-        return Segments(_pad_axis(self.query, t, -1), _pad_axis(self.key, s, -1))
+        return Segments(pad_axis(self.query, t, -1), pad_axis(self.key, s, -1))
 
 
 @_pytree.dataclass(data=("array",))
@@ -405,7 +405,7 @@ class FromArray(Rule):
     by_index = True
 
     def visible(self, at):
-        return _slice_2d(self.array, at.q_idx[0, 0], at.q_idx.shape[0],
+        return slice_block(self.array, at.q_idx[0, 0], at.q_idx.shape[0],
                          at.k_idx[0, 0], at.k_idx.shape[1])
 
     def classify(self, blocks):
@@ -433,11 +433,11 @@ class FromArray(Rule):
         return FromArray(x if not shape.unbatched else x[None])
 
     def padded(self, t, s):
-        return FromArray(_pad_axis(_pad_axis(self.array, t, -2, broadcast=True), s, -1,
+        return FromArray(pad_axis(pad_axis(self.array, t, -2, broadcast=True), s, -1,
                                    broadcast=True))
 
 
-def _pad_axis(x, size: int, axis: int, *, broadcast: bool = False):
+def pad_axis(x, size: int, axis: int, *, broadcast: bool = False):
     """Zero-pad (False-pad) axis to `size`. With broadcast=True a unit axis stays as it
     is: it applies to every row (or column), padding included."""
     if x.shape[axis] == size or (broadcast and x.shape[axis] == 1):
@@ -447,7 +447,7 @@ def _pad_axis(x, size: int, axis: int, *, broadcast: bool = False):
     return jnp.pad(x, pad)
 
 
-def _slice_2d(x, row, rows: int, col, cols: int):
+def slice_block(x, row, rows: int, col, cols: int):
     """x[row:row+rows, col:col+cols], a unit (broadcast) axis kept whole."""
     if x.shape[0] > 1:
         x = lax.dynamic_slice_in_dim(x, row, rows, 0)
@@ -589,8 +589,8 @@ class Mask:
     def padded(self, t: int, s: int) -> Mask:
         """The mask with its arrays zero-padded to t queries and s keys (see
         `Rule.padded`)."""
-        return Mask(self.rule.padded(t, s), _pad_axis(self.q_positions, t, -1),
-                    _pad_axis(self.k_positions, s, -1), self.example, self.head)
+        return Mask(self.rule.padded(t, s), pad_axis(self.q_positions, t, -1),
+                    pad_axis(self.k_positions, s, -1), self.example, self.head)
 
     def blocks(self, grid: Grid) -> Blocks:
         """The block grid of one head, with this mask's positions."""

@@ -19,12 +19,25 @@ def test_shipped_configs_load(name):
         assert config.model.max_len >= config.task.max_len + 1
 
 
+@pytest.mark.parametrize("name, pack", [("copy_decoder_only", False), ("copy_packed", True)])
+def test_shipped_decoder_only_configs_load(name, pack):
+    config = load_config(CONFIGS / f"{name}.yaml")
+    assert (config.task.name, config.model.kind, config.data.pack) == ("copy", "decoder_only",
+                                                                       pack)
+    assert config.task.eval_size == 2000
+    assert config.model.max_len >= 2 * config.task.max_len + 1
+
+
 def test_overrides_and_round_trip(tmp_path):
     config = load_config(CONFIGS / "copy.yaml", ["optim.learning_rate=1e-4", "steps=17",
                                                   "model.num_kv_heads=2", "task.name=sort",
-                                                  "model.implementation=null"])
+                                                  "model.implementation=null",
+                                                  "model.kind=decoder_only", "data.pack=true",
+                                                  "data.packed_len=40"])
     assert (config.optim.learning_rate, config.steps, config.model.num_kv_heads) == (1e-4, 17, 2)
     assert config.task.name == "sort" and config.model.implementation is None
+    assert (config.model.kind, config.data.pack, config.data.packed_len) == ("decoder_only",
+                                                                             True, 40)
     assert isinstance(config.optim.learning_rate, float)
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_config(config))
@@ -57,6 +70,19 @@ def test_overrides_and_round_trip(tmp_path):
     (["optim.label_smoothing=1.0"], "optim.label_smoothing must lie in [0, 1); got 1.0"),
     (["task.max_len=80"], "model.max_len=64 must cover the task's longest sequence (81 tokens "
                           "with bos/eos); got task.max_len=80"),
+    (["model.kind=gpt"], "model.kind must be one of ('encoder_decoder', 'decoder_only'); "
+                         "got 'gpt'"),
+    (["model.kind=decoder_only", "model.max_len=32"],
+     "model.max_len=32 must cover the task's longest sequence (33 tokens of source, separator "
+     "and target); got task.max_len=16"),
+    (["data.pack=true"], "data.pack=true needs model.kind=decoder_only (the encoder–decoder "
+                         "trains on unpacked rows); got model.kind=encoder_decoder"),
+    (["model.kind=decoder_only", "data.pack=true", "data.packed_len=32"],
+     "data.packed_len=32 must hold the task's longest example (33 tokens: source, separator "
+     "and target)"),
+    (["data.pack=2"], "data.pack must be bool; got 2"),
+    (["data.packs=true"], "unknown key data.packs; valid keys of data are pack, packed_len"),
+    (["data=true"], "data must be a mapping; got True"),
 ])
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as error:

@@ -9,6 +9,7 @@ import pytest
 from attnjax.toy import make_task
 from attnjax.toy import train as training
 from attnjax.toy.config import OptimConfig, load_config
+from attnjax.toy.sequences import DecoderOnlyFormat
 from attnjax.toy.tasks import PAD, Batch
 
 
@@ -56,6 +57,26 @@ def test_loss_is_smoothed_cross_entropy_over_target_tokens(setup, smoothing):
         total -= (target * log_p[b, t]).sum()
         count += 1
     np.testing.assert_allclose(loss, total / count, rtol=1e-5)
+
+
+def test_decoder_only_loss_counts_target_tokens_only(float32):
+    config = load_config(None, ["model.kind=decoder_only", "model.d_model=32",
+                                "model.num_heads=2", "model.d_ff=48", "task.max_len=9"])
+    task = make_task(config.task)
+    model = training.make_model(config, task)
+    examples = task.sample(np.random.default_rng(7), 13)
+    batch = DecoderOnlyFormat(task).rows(examples)
+    params = model.init(jax.random.key(3), batch.tokens)["params"]
+    loss, metrics = training.loss_and_metrics(params, batch, model, 0.2)
+    # the encoder–decoder's labels: each target and its eos, nothing of the prompt
+    assert metrics["tokens"] == (examples.tgt_out != PAD).sum() == (batch.labels != PAD).sum()
+    logits = np.asarray(model.apply({"params": params}, batch.tokens), np.float64)
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    vocab = logits.shape[-1]
+    rows, cols = np.nonzero(batch.labels != PAD)
+    target = np.full((len(rows), vocab), 0.2 / vocab)
+    target[np.arange(len(rows)), batch.labels[rows, cols]] += 0.8
+    np.testing.assert_allclose(loss, -(target * log_p[rows, cols]).sum() / len(rows), rtol=1e-5)
 
 
 def test_schedules():

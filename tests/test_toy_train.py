@@ -140,6 +140,7 @@ def test_killed_and_interrupted_runs_resume_to_the_uninterrupted_metrics(tmp_pat
     (["--set", "optim.lr=1"], "error: unknown key optim.lr; valid keys of optim are "),
     (["--config", "configs/none.yaml"], "error: cannot read config configs/none.yaml"),
     (["--set", "steps=-3"], "error: steps must be positive; got -3"),
+    (["--set", "data.pack=true"], "error: data.pack=true needs model.kind=decoder_only"),
     (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
     (["--mesh", "gpus=2"], "error: --mesh expects axis=size pairs over ('data', 'model')"),
     (["--mesh", "data=3"], "error: the mesh {'data': 3} needs 3 devices; there are"),

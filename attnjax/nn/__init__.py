@@ -3,8 +3,9 @@
   attention   MultiHeadAttention: flax's parameters and cache convention
   layers      FeedForward, PositionalEncoding (sinusoidal or learned)
   models      EncoderBlock, DecoderBlock, Transformer, DecoderOnly, their configs,
-              attention_maps
-  decoding    greedy_decode (encoder–decoder), generate (decoder-only)
+              attention_maps; segment ids and positions for packed sequences
+  decoding    greedy_decode (encoder–decoder), generate (decoder-only, prompts of
+              different lengths left-padded)
 """
 
 from attnjax.nn.attention import MultiHeadAttention

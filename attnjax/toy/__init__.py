@@ -2,8 +2,10 @@
 
   tasks        Vocab, Batch, the copy / reverse / sort generators, the held-out rule
   dates        the date-translation task (17 input formats -> ISO)
+  sequences    a task as decoder-only sequences: one vocabulary, prompts, packed rows
   config       frozen config dataclasses, YAML loading and key.sub=value overrides
-  train        model, optimiser, schedule, the jitted train step, greedy evaluation
+  train        model (encoder–decoder or decoder-only), optimiser, schedule, the jitted
+               train step, greedy evaluation
   checkpoints  orbax checkpoints: the latest few and the best
   report       metrics.jsonl, progress lines, samples.txt, attention.png, curves.png
   cli          `train_toy.py` / `attnjax-train`: run(config, workdir) and main()

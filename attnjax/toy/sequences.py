@@ -43,6 +43,7 @@ class DecoderOnlyFormat:
     """How a decoder-only model reads a task: its vocabulary, its rows and its prompts."""
 
     def __init__(self, task):
+        self.task = task
         target = task.tgt_vocab.symbols
         self.vocab = Vocab(target + tuple(s for s in task.src_vocab.symbols if s not in target))
         ids = {s: i for i, s in enumerate(SPECIALS + self.vocab.symbols)}
@@ -65,16 +66,19 @@ class DecoderOnlyFormat:
         """One example per row, padded to the longest example."""
         return _fill(self.examples(batch), len(batch.src), self.length, pack=False)
 
-    def packed(self, task, rng: np.random.Generator, rows: int, length: int) -> Sequences:
-        """rows rows of length tokens, filled with whole training examples drawn from
-        rng in order; an example that does not fit starts the next row (the one that
-        fits no row left is dropped)."""
+    def packed(self, rng: np.random.Generator, rows: int, length: int) -> Sequences:
+        """`[rows, length]`, filled with whole training examples drawn from rng in
+        order; an example that does not fit starts the next row (the one that fits in
+        no row left is dropped)."""
+        if length < self.length:
+            raise ValueError(f"length must hold the longest example ({self.length} tokens); "
+                             f"got {length}")
         # enough examples for every row in one draw, in the usual case
         draw = 2 * rows * (length // self.length)
 
         def examples():
             while True:
-                yield from self.examples(task.sample(rng, draw))
+                yield from self.examples(self.task.sample(rng, draw))
 
         return _fill(examples(), rows, length, pack=True)
 

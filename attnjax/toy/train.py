@@ -99,7 +99,7 @@ def example_batch(task, size: int) -> Batch:
     return task.sample(np.random.default_rng(0), size)
 
 
-def model_batch(model, task, batch: Batch) -> Batch | Sequences:
+def _model_batch(model, task, batch: Batch) -> Batch | Sequences:
     """A task's batch as `model` reads it: as it is for the encoder–decoder, one
     sequence per row for the decoder-only model."""
     if isinstance(model, DecoderOnly):
@@ -110,7 +110,7 @@ def model_batch(model, task, batch: Batch) -> Batch | Sequences:
 def init_state(model, optimizer, task, seed: int, mesh) -> TrainState:
     """Fresh parameters from `key(seed)` and a zero optimiser state, laid out on the
     mesh (Megatron layout over "model", replicated over "data")."""
-    batch = model_batch(model, task, example_batch(task, 2))
+    batch = _model_batch(model, task, example_batch(task, 2))
 
     def init():
         params = model.init(init_key(seed), *_inputs(batch))["params"]
@@ -153,7 +153,8 @@ def loss_and_metrics(params, batch: Batch | Sequences, model, label_smoothing: f
     return loss, {"loss": loss, "accuracy": correct / tokens, "tokens": tokens}
 
 
-def make_train_step(model: Transformer, optimizer, optim, steps: int, seed: int, state, mesh):
+def make_train_step(model: Transformer | DecoderOnly, optimizer, optim, steps: int, seed: int,
+                    state, mesh):
     """`(state, batch) -> (state, metrics)`, jit-compiled with the state donated; the
     state keeps the layout it has, the batch is split over "data"."""
     schedule = learning_rate_schedule(optim, steps)
@@ -164,7 +165,7 @@ def make_train_step(model: Transformer, optimizer, optim, steps: int, seed: int,
     @functools.partial(jax.jit, donate_argnums=0,
                        in_shardings=(state_shardings, mesh_lib.batch_sharding(mesh)),
                        out_shardings=(state_shardings, mesh_lib.replicated(mesh)))
-    def train_step(state: TrainState, batch: Batch):
+    def train_step(state: TrainState, batch: Batch | Sequences):
         key = jax.random.fold_in(dropout_key(seed), state.step)
         grads, metrics = grad_fn(state.params, batch, model, optim.label_smoothing, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -190,8 +191,7 @@ def train_batch(task, config, step: int, mesh) -> Batch | Sequences:
     rng = np.random.default_rng([config.seed, TRAIN_STREAM, step])
     if config.data.pack:
         layout = DecoderOnlyFormat(task)
-        batch = layout.packed(task, rng, config.batch_size,
-                              config.data.packed_len or layout.length)
+        batch = layout.packed(rng, config.batch_size, config.data.packed_len or layout.length)
     elif config.model.kind == "decoder_only":
         batch = DecoderOnlyFormat(task).rows(task.sample(rng, config.batch_size))
     else:
@@ -201,9 +201,9 @@ def train_batch(task, config, step: int, mesh) -> Batch | Sequences:
 
 def predict(model, task, params, batch: Batch, batch_size: int, mesh) -> np.ndarray:
     """Greedy decoding with the KV cache, in chunks: `[B, T]` target tokens, eos then
-    pad. The encoder–decoder decodes from the source, the decoder-only model continues
-    source and separator; its tokens past the target vocabulary (source symbols) are
-    simply wrong."""
+    pad. The encoder–decoder decodes from the source; the decoder-only model continues
+    source and separator, in a vocabulary that keeps the target ids and adds the
+    source-only symbols after them (never a target: counted wrong)."""
     chunks = np.array_split(np.arange(len(batch.src)), -(-len(batch.src) // batch_size))
     max_len = batch.tgt_out.shape[1]
     everywhere = mesh_lib.replicated(mesh)

@@ -176,3 +176,12 @@ def test_masked_calls_create_no_inf_or_nan(rng, implementation):
         for sinks in (None, _x(keys[3], N)):
             grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, sinks)
             chex.assert_tree_all_finite(grads)
+
+
+def test_positions_with_the_kv_cache_are_a_clear_error(rng):
+    x = _x(rng, B, 6, D)
+    module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True)
+    variables = module.init(rng, x)
+    steps = jnp.arange(2, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="positions= cannot be given with decode=True"):
+        module.apply(variables, x[:, :2], positions=(steps, steps), mutable=["cache"])

@@ -104,6 +104,9 @@ class MultiHeadAttention(nn.Module):
         if self.decode:
             cached = self._update_cache(key, value)
             if cached is not None:  # not the sizing call of `init`
+                if attention_options.get("positions") is not None:
+                    raise ValueError("positions= cannot be given with decode=True: the "
+                                     "cache places new tokens at its own index")
                 key, value, filled, positions = cached
                 visible = visible & masks.lengths(key=filled)
                 attention_options["positions"] = positions

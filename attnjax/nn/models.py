@@ -148,8 +148,10 @@ class DecoderBlock(nn.Module):
         memory_mask: the cross-attention's; positions: int `[B, T]`, what the causal
         mask reads (the KV cache reads its own)."""
         attend = _attention(self.config, "self", is_causal=True, decode=self.decode)
+        # the KV cache places its tokens by its own index
+        self_positions = None if self.decode else _pair(positions)
         x = _Residual(self.config, name="self_residual")(
-            x, lambda h: attend(h, mask=mask, positions=_pair(positions),
+            x, lambda h: attend(h, mask=mask, positions=self_positions,
                                 deterministic=deterministic, sow_weights=sow_weights),
             deterministic=deterministic)
         if memory is not None:

@@ -31,17 +31,19 @@ def attend(
     acc = _logits_dtype(q.dtype)
     visible = None if mask.is_everything else mask.visible(at)
     if visible is not None:
-        # Rows and columns that see nothing are selected away: a NaN or inf in padding
-        # never meets a zero weight in a product.
+        # Rows and columns that see nothing are kept out of every product with a zero
+        # weight: a NaN or inf in padding must not reach a valid output or gradient.
         rows, cols = jnp.any(visible, axis=1), jnp.any(visible, axis=0)
-        q = jnp.where(rows[:, None], q, 0)
-        k, v = jnp.where(cols[:, None], k, 0), jnp.where(cols[:, None], v, 0)
+        v = jnp.where(cols[:, None], v, 0)
     if score.align is None:
         # Scaling the [T, H] queries costs T·H multiplies instead of T·S on the logits.
         q = q * jnp.asarray(score.scale, q.dtype)
         # [T, S]
-        logits = jnp.einsum("TH,SH->TS", q, k, preferred_element_type=acc)
+        logits = (jnp.einsum("TH,SH->TS", q, k, preferred_element_type=acc)
+                  if visible is None else _seen_logits(q, k, rows, cols))
     else:
+        if visible is not None:
+            q, k = jnp.where(rows[:, None], q, 0), jnp.where(cols[:, None], k, 0)
         logits = score.align(q, k, **score.align_params).astype(acc)
     if score.bias is not None:
         logits = logits + score.bias.astype(acc)
@@ -54,3 +56,25 @@ def attend(
         mixed = jnp.where(keep, weights / (1.0 - options.dropout_rate), 0.0)
     out = core.mix_values(mixed, v)
     return out, lse, (weights.astype(q.dtype) if options.return_weights else None)
+
+
+@jax.custom_jvp
+def _seen_logits(q, k, rows, cols):
+    """q·kᵀ `[T, S]` whose derivatives read q only on `rows` and k only on `cols`.
+
+    The entries of other rows and columns are masked afterwards, so their derivatives
+    do not matter; reading a NaN in a hidden query or key there would still turn a zero
+    gradient into NaN (0·NaN). The value itself is the plain product.
+    """
+    return jnp.einsum("TH,SH->TS", q, k, preferred_element_type=_logits_dtype(q.dtype))
+
+
+@_seen_logits.defjvp
+def _seen_logits_jvp(primals, tangents):
+    q, k, rows, cols = primals
+    d_q, d_k = tangents[:2]
+    acc = _logits_dtype(q.dtype)
+    q_seen, k_seen = jnp.where(rows[:, None], q, 0), jnp.where(cols[:, None], k, 0)
+    tangent = (jnp.einsum("TH,SH->TS", d_q, k_seen, preferred_element_type=acc)
+               + jnp.einsum("TH,SH->TS", q_seen, d_k, preferred_element_type=acc))
+    return _seen_logits(q, k, rows, cols), tangent

@@ -178,15 +178,13 @@ class Shape:
     n: int
     unbatched: bool = False
 
-    def per_example(self, name: str, x, tail: tuple[int, ...], layout: str,
-                    integer: bool = True) -> Array:
-        """`x` of shape `[B, *tail]` (or `tail` alone, shared by the batch; unbatched
-        calls take `tail` alone) as `[B|1, 1, *tail]`."""
+    def per_example(self, name: str, x, tail: tuple[int, ...], layout: str) -> Array:
+        """Integer `x` of shape `[B, *tail]` (or `tail` alone, shared by the batch;
+        unbatched calls take `tail` alone) as int32 `[B|1, 1, *tail]`."""
         x = jnp.asarray(x)
-        if integer:
-            if not jnp.issubdtype(x.dtype, jnp.integer):
-                raise TypeError(f"{name} must have an integer dtype; got {x.dtype}")
-            x = x.astype(jnp.int32)
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must have an integer dtype; got {x.dtype}")
+        x = x.astype(jnp.int32)
         batched = () if self.unbatched else (self.b,)
         shapes = {tuple(tail), batched + tuple(tail)}
         if tuple(x.shape) not in shapes:

@@ -2,6 +2,8 @@
 length, the pure and Flax multi-head attention passing masks, positions, score_mods and
 sinks through, and chunked single-token steps."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -185,3 +187,17 @@ def test_positions_with_the_kv_cache_are_a_clear_error(rng):
     steps = jnp.arange(2, dtype=jnp.int32)
     with pytest.raises(ValueError, match="positions= cannot be given with decode=True"):
         module.apply(variables, x[:, :2], positions=(steps, steps), mutable=["cache"])
+
+
+def test_model_configs_carry_soft_caps_and_sinks_into_every_attention(rng):
+    config = nn.DecoderOnlyConfig(vocab_size=11, d_model=16, num_heads=2, d_ff=32,
+                                  num_layers=2, attention_soft_cap=2.0, attention_sinks=True)
+    model = nn.DecoderOnly(config)
+    tokens = jax.random.randint(rng, (2, 7), 1, 11, jnp.int32)
+    params = model.init(rng, tokens)["params"]
+    assert all(params["decoder"][f"layer_{i}"]["self"]["sinks"].shape == (2,) for i in range(2))
+    plain = nn.DecoderOnly(dataclasses.replace(config, attention_soft_cap=None))
+    assert not np.allclose(model.apply({"params": params}, tokens),
+                           plain.apply({"params": params}, tokens))
+    with pytest.raises(ValueError, match="soft_cap needs a positive finite cap; got -1.0"):
+        nn.DecoderOnlyConfig(vocab_size=11, attention_soft_cap=-1.0)

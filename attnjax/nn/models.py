@@ -10,7 +10,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from attnjax import masks
+from attnjax import masks, scores
 from attnjax.nn.attention import MultiHeadAttention
 from attnjax.nn.layers import FeedForward, PositionalEncoding
 
@@ -37,6 +37,8 @@ def _check_config(config) -> None:
         rate = getattr(config, name)
         if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
             raise ValueError(f"{name} must lie in [0, 1); got {rate!r}")
+    if config.attention_soft_cap is not None:
+        scores.soft_cap(config.attention_soft_cap)  # checks the cap
     for name, allowed in (("positional", POSITIONAL), ("activation", ACTIVATIONS),
                           ("dtype", DTYPES)):
         if getattr(config, name) not in allowed:
@@ -45,7 +47,12 @@ def _check_config(config) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockConfig:
-    """What every attention block needs; the model configs add their own fields."""
+    """What every attention block needs; the model configs add their own fields.
+
+    attention_soft_cap: soft-cap every attention's logits at this value
+    (`attnjax.scores.soft_cap`); attention_sinks: a learned sink logit per head in every
+    attention (parameter "sinks").
+    """
 
     d_model: int = 128
     num_heads: int = 4
@@ -59,6 +66,8 @@ class BlockConfig:
     activation: str = "relu"
     implementation: str | None = None
     dtype: str = "float32"
+    attention_soft_cap: float | None = None
+    attention_sinks: bool = False
 
     def __post_init__(self):
         _check_config(self)
@@ -91,10 +100,12 @@ class DecoderOnlyConfig(BlockConfig):
 
 
 def _attention(config, name: str, **kw) -> MultiHeadAttention:
+    cap = config.attention_soft_cap
     return MultiHeadAttention(
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
         dropout_rate=config.attention_dropout_rate, implementation=config.implementation,
-        dtype=jnp.dtype(config.dtype), name=name, **kw)
+        score_mod=None if cap is None else scores.soft_cap(cap),
+        use_sinks=config.attention_sinks, dtype=jnp.dtype(config.dtype), name=name, **kw)
 
 
 class _Residual(nn.Module):

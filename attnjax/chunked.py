@@ -38,6 +38,11 @@ from attnjax.scores import Score, _logits_dtype
 # heads stays in cache.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
+# The largest block of logits (bytes, over all heads taken at once) the block loops work
+# on: more heads are split into groups that take the loops in turn. On a 2-core CPU with
+# 2 MiB of L2 per core, 512 × 512 blocks ran at ~75% of the GEMM rate with four heads
+# at once and ~57% with eight (benchmarks/attention.py).
+LOGITS_BLOCK_BYTES = 4 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +163,7 @@ def _visit(full, partial, step, init):
 
 
 # The layouts of the one-head block functions' arguments (see attnjax.heads).
-_FORWARD_IN = ("heads", "kv", "kv", "heads", "heads", "heads", "heads")
+_FORWARD_IN = ("heads",) * 7
 _BACKWARD_IN = ("heads",) * 11
 
 
@@ -197,6 +202,18 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
     see nothing). q `[B, K, G, Tp, H]` (heads first, pre-scaled), k and v `[B, Sp, K, ·]`."""
     sizes = q.shape[:3]
     acc_dtype = _logits_dtype(v.dtype)
+    # The block products want keys and values head-major, [B, K, 1, ·, ·] ("heads"
+    # layout, shared by the G heads of a group). Every key block is read once per query
+    # block: with several query blocks, reorder the whole K/V once; with one (a decoding
+    # step) reorder each block as it is read, so no copy of the whole cache is kept.
+    head_major = lambda x: jnp.moveaxis(x, 1, 2)[:, :, None]  # noqa: E731
+    if plan.num_q_blocks > 1:
+        k, v = head_major(k), head_major(v)
+        key_block = lambda x, j: lax.dynamic_slice_in_dim(  # noqa: E731
+            x, j * plan.block_k, plan.block_k, axis=3)
+    else:
+        key_block = lambda x, j: head_major(lax.dynamic_slice_in_dim(  # noqa: E731
+            x, j * plan.block_k, plan.block_k, axis=1))
 
     def query_block(xs):
         i, full, partial = xs
@@ -204,9 +221,8 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
         q_i = lax.dynamic_slice_in_dim(q, i * plan.block_q, plan.block_q, axis=3)
 
         def step(j, carry, masked):
-            # [B, bk, K, H], [B, bk, K, V]
-            k_j = lax.dynamic_slice_in_dim(k, j * plan.block_k, plan.block_k, axis=1)
-            v_j = lax.dynamic_slice_in_dim(v, j * plan.block_k, plan.block_k, axis=1)
+            # [B, K, 1, bk, H], [B, K, 1, bk, V]
+            k_j, v_j = key_block(k, j), key_block(v, j)
             fold = heads.over_heads(_forward_step(plan, mod, monotone, consts, i, j, masked), sizes,
                                     _FORWARD_IN, ("heads",))
             return fold(q_i, k_j, v_j, carry, mask, bias, dropout_key)[0]
@@ -443,7 +459,52 @@ def attend(
 ) -> tuple[Float[Array, "B T K G V"], Float[Array, "B T K G"], None]:
     """Output and log-sum-exp of every example and head in blocks: the numbers of
     `attnjax.dense.attend` (which alone returns weights). mask, score and options are
-    bound and grouped per head (`attnjax.heads.group`)."""
+    bound and grouped per head (`attnjax.heads.group`).
+
+    The heads go through the block loops in groups small enough that a block of logits
+    of every head of a group stays in cache (`LOGITS_BLOCK_BYTES`)."""
+    b, t, kv_heads, g, _ = q.shape
+    block_q, block_k = block_sizes(t, k.shape[1], options.block_q, options.block_k)
+    per_head = b * block_q * block_k * jnp.dtype(_logits_dtype(q.dtype)).itemsize
+    # Split the key/value heads K when there are several (each group keeps its G query
+    # heads), else the query heads G of the one key/value head.
+    axis, size = (2, kv_heads) if kv_heads > 1 else (3, g)
+    heads_per_pass = per_head * kv_heads * g // size
+    per_pass = max([d for d in range(1, size + 1)
+                    if size % d == 0 and d * heads_per_pass <= LOGITS_BLOCK_BYTES] or [1])
+    if per_pass == size:
+        return _attend(q, k, v, mask, score, options)
+    groups = size // per_pass
+
+    def split(x, at):
+        # [..., size, ...] at axis `at` -> [groups, ..., per_pass, ...]
+        x = x.reshape(x.shape[:at] + (groups, per_pass) + x.shape[at + 1:])
+        return jnp.moveaxis(x, at, 0)
+
+    # Per-head arrays are [B|1, K|1, G|1, ...]: split where the axis is whole, shared
+    # (closed over) where it is a unit axis.
+    meta_axis = axis - 1
+    meta = (mask, score, options)
+    whole = jax.tree.map(lambda x: x.shape[meta_axis] == size, meta)
+    mapped = jax.tree.map(lambda x, w: split(x, meta_axis) if w else None, meta, whole)
+    kv = (k, v) if axis == 2 else None
+
+    def one_group(xs):
+        q_g, kv_g, mapped_g = xs
+        k_g, v_g = (k, v) if kv_g is None else kv_g
+        meta_g = jax.tree.map(lambda x, m, w: m if w else x, meta, mapped_g, whole)
+        return _attend(q_g, k_g, v_g, *meta_g)[:2]
+
+    kv_split = None if kv is None else tuple(split(x, 2) for x in kv)
+    out, lse = lax.map(one_group, (split(q, axis), kv_split, mapped))
+    # [groups, B, T, ..., per_pass, ...] -> [B, T, K, G, ·]
+    merge = lambda x: jnp.moveaxis(x, 0, axis).reshape(  # noqa: E731
+        x.shape[1:axis + 1] + (size,) + x.shape[axis + 2:])
+    return merge(out), merge(lse), None
+
+
+def _attend(q, k, v, mask: Mask, score: Score, options: Options):
+    """`attend` for the heads of one pass."""
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(
         q, k, v, mask, score, options.block_q, options.block_k, options.dropout_rate)
     monotone = getattr(score.mod, "monotone", None)

@@ -210,3 +210,29 @@ def test_auto_picks_dense_for_weights_and_rejects_them_from_chunked():
         attnjax.dot_product_attention(q, k, v, return_weights=True, implementation="chunked")
     with pytest.raises(ValueError, match="block_sizes=.* applies to implementation='chunked'"):
         attnjax.dot_product_attention(q, k, v, implementation="dense", block_sizes=(8, 8))
+
+
+@pytest.mark.parametrize("n, k", [(4, 2), (3, 1)])
+def test_heads_in_groups_equal_all_heads_at_once(monkeypatch, n, k):
+    """Past LOGITS_BLOCK_BYTES the heads take the block loops in groups (split over K,
+    or over G when K = 1): the same outputs, log-sum-exps and gradients — into q, k, v,
+    a bias, the sinks and a score_mod's closed-over slopes — dropout included."""
+    q, key, v, d_out = _inputs(5, 2, 13, 21, n, k, 8, 5)
+    bias = jax.random.normal(jax.random.key(6), (2, n, 13, 21))
+    sinks = jax.random.normal(jax.random.key(7), (n,))
+    slopes = attnjax.scores.alibi_slopes(n)
+
+    def run(q, key, v, bias, sinks, slopes):
+        out, lse = attnjax.dot_product_attention(
+            q, key, v, bias, masks.causal() | masks.prefix(3), implementation="chunked",
+            block_sizes=(4, 8), score_mod=attnjax.scores.alibi(slopes), sinks=sinks,
+            dropout_rate=0.25, dropout_rng=jax.random.key(8), return_residual=True)
+        return jnp.sum(out * d_out) + jnp.sum(jnp.tanh(lse)), (out, lse)
+
+    grad = jax.jit(jax.grad(run, argnums=range(6), has_aux=True))
+    together = grad(q, key, v, bias, sinks, slopes)
+    monkeypatch.setattr(chunked, "LOGITS_BLOCK_BYTES", 2 * 4 * 8 * 4)  # one head a pass
+    split = jax.jit(jax.grad(run, argnums=range(6), has_aux=True))(q, key, v, bias, sinks,
+                                                                  slopes)
+    for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(together)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

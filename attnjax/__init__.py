@@ -14,8 +14,11 @@ Layers, each built on the ones before it:
                a kernel vmapped over heads and batch
   multi_head   init_multi_head_attention / multi_head_attention (flax's parameter tree)
 
-Flax modules live in `attnjax.nn`; toy tasks, training and the CLI in `attnjax.toy`.
+Flax modules live in `attnjax.nn` (imported on first use: flax takes longer to import
+than the rest of attnjax); toy tasks, training and the CLI in `attnjax.toy`.
 """
+
+import importlib
 
 from attnjax.attention import IMPLEMENTATIONS, dot_product_attention, score_attention
 from attnjax.core import attention, attention_weights, masked_softmax
@@ -33,6 +36,14 @@ from attnjax.scores import additive_score, dot_score, general_score, scaled_dot_
 
 __version__ = "0.1.0"
 
+_LAZY_SUBMODULES = ("nn",)
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"attnjax.{name}")
+    raise AttributeError(f"module 'attnjax' has no attribute {name!r}")
+
 __all__ = [
     "IMPLEMENTATIONS",
     "Mask",
@@ -48,6 +59,7 @@ __all__ = [
     "masks",
     "masked_softmax",
     "multi_head_attention",
+    "nn",
     "padding_mask",
     "query_key_mask",
     "scaled_dot_score",

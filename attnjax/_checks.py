@@ -66,8 +66,10 @@ def check_mask(name: str, mask, target: Sequence[int], layout: str) -> None:
     if not hasattr(mask, "dtype"):
         raise TypeError(f"{name} must be a boolean array; got {type(mask).__name__}")
     if mask.dtype != jnp.bool_:
-        hint = " (additive float values belong in bias=)" if jnp.issubdtype(
-            mask.dtype, jnp.floating) else ""
+        # A float mask is most often flax's 0/1 (make_attention_mask): as bias it would
+        # add 0 or 1 to the logits and hide nothing.
+        hint = (" (a 0/1 mask such as flax's make_attention_mask is mask != 0; additive "
+                "float values belong in bias=)") if jnp.issubdtype(mask.dtype, jnp.floating) else ""
         raise TypeError(
             f"{name} must be boolean (True = may attend); got dtype {mask.dtype}{hint}"
         )

@@ -21,6 +21,7 @@ from attnjax.scores import Score
 # name -> can it return the weights?
 _KERNELS = {"dense": True, "chunked": False}
 IMPLEMENTATIONS = ("dense", "chunked", "cudnn")
+CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
 # implementation=None runs dense while T·S is at most this, chunked above it. Measured
 # with benchmarks/attention.py on a 2-core CPU: below it the dense weights fit in cache
@@ -51,6 +52,10 @@ def dot_product_attention(
     implementation: str | None = None,
     block_sizes: tuple[int, int] | None = None,
     alignment=None,
+    causal_alignment: str = "bottom_right",
+    query_seq_lengths: Int[ArrayLike, "*B"] | None = None,
+    key_value_seq_lengths: Int[ArrayLike, "*B"] | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
 ):
     """Scaled dot-product attention over a batch and several heads.
 
@@ -58,6 +63,13 @@ def dot_product_attention(
     query may see. Axis letters: B batch, T query length, S key length, N query heads,
     K key/value heads (N = K·G: grouped-query attention when K < N), H query/key head
     dim, V value head dim.
+
+    Every argument of `jax.nn.dot_product_attention` is accepted with its meaning
+    (`query_seq_lengths`, `key_value_seq_lengths`, `local_window_size` and
+    `implementation="xla"` are other spellings of attnjax's own). Two deliberate
+    differences: causal and window masks align the last query with the last key when
+    T ≠ S (`causal_alignment="top_left"` gives jax.nn's), and a query that sees no key
+    gets zeros where jax.nn averages every value.
 
     Args:
       query: `[B, T, N, H]`, or `[T, N, H]` for one unbatched example.
@@ -72,7 +84,7 @@ def dot_product_attention(
       is_causal: key j is visible to query i when j ≤ i + (S − T): the *last* query
         sees every key. The usual triangle when T = S, and right for a KV-cache step or
         chunked prefill (T < S). `jax.nn.dot_product_attention` aligns top-left
-        (j ≤ i) instead. Same as `mask=masks.causal()`.
+        (j ≤ i) instead: see causal_alignment. Same as `mask=masks.causal()`.
       query_lengths: int `[B]` (`[]` unbatched), the valid query lengths; query rows at
         or past the length are padding and give zeros.
       key_lengths: int `[B]` (`[]` unbatched), the valid key lengths; keys at or past
@@ -105,13 +117,23 @@ def dot_product_attention(
         blocks the mask hides skipped) or "cudnn" (delegates to
         `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only, bool arrays
         and the jax.nn keywords only). None picks dense for T·S ≤ 512², or when weights
-        are asked for, and chunked above.
+        are asked for, and chunked above; "xla" (jax.nn's name) is the same as None,
+        both kernels being plain XLA.
       block_sizes: `(block_q, block_k)` for the chunked implementation; chosen per
         shape when None. Lengths need not be multiples of them.
       alignment: `(score_fn, params)`, a learned alignment `score_fn(q [T, Hq],
         k [S, Hk], **params) -> [T, S]` (e.g. `attnjax.general_score`) replacing the
         scaled dot product, with each of `params` `[N, ...]` (one set per query head);
         dense only, and scale does not apply.
+      causal_alignment: where the default positions put the queries when T ≠ S:
+        "bottom_right" (query i at i + (S − T): the last query sees every key) or
+        "top_left" (query i at i: key j ≤ i under is_causal, jax.nn's alignment, also
+        for window). The same as `positions=(arange(T), arange(S))`; not combined with
+        positions. Equal when T = S.
+      query_seq_lengths: jax.nn's name for query_lengths, int `[B]`; give one of them.
+      key_value_seq_lengths: jax.nn's name for key_lengths, int `[B]`; give one of them.
+      local_window_size: jax.nn's name for window, `(left, right)` or an int; give one
+        of them.
 
     Returns:
       `[B, T, N, V]` (or `[T, N, V]`) in the input dtype. With return_weights, the
@@ -120,7 +142,15 @@ def dot_product_attention(
       sees no key gets zeros, and zero gradients, in every dtype. Softmax and
       accumulation run in float32 for float16/bfloat16 inputs.
     """
+    query_lengths = _one_of("query_lengths", query_lengths, "query_seq_lengths", query_seq_lengths)
+    key_lengths = _one_of("key_lengths", key_lengths, "key_value_seq_lengths",
+                          key_value_seq_lengths)
+    window = _one_of("window", window, "local_window_size", local_window_size)
+    if implementation == "xla":
+        # jax.nn's name for plain XLA, which both of attnjax's own kernels are.
+        implementation = None
     query, key, value, shape = _check_inputs(query, key, value, alignment is None)
+    positions = _aligned_positions(shape, causal_alignment, positions)
     attention_mask = _mask_from_keywords(
         shape, mask, is_causal=is_causal, query_lengths=query_lengths,
         key_lengths=key_lengths, window=window)
@@ -170,6 +200,35 @@ def score_attention(query, key, value, score_fn, score_params, bias=None, mask=N
 
 # --------------------------------------------------------------------------------------
 # The boundary: checks, and the keywords turned into Mask, Score and Options.
+
+
+def _one_of(name: str, value, alias: str, alias_value):
+    """A keyword given under attnjax's name or jax.nn's, not both."""
+    if alias_value is None:
+        return value
+    if value is not None:
+        raise ValueError(f"{name} and {alias} are two names for one argument; give one of "
+                         f"them, got both")
+    return alias_value
+
+
+def _aligned_positions(shape: Shape, causal_alignment, positions):
+    """The call's positions: given, or None (bottom-right, the Mask's default), or
+    top-left (query i at position i)."""
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got "
+                         f"{causal_alignment!r}")
+    if causal_alignment == "bottom_right":
+        return positions
+    if positions is not None:
+        raise ValueError("causal_alignment='top_left' places the queries by default "
+                         "positions; with positions= given, leave causal_alignment at "
+                         "'bottom_right' (positions decide)")
+    # With T = S both alignments are the same positions; None keeps the default path
+    # (and cuDNN, which takes no positions).
+    if shape.t == shape.s:
+        return None
+    return jnp.arange(shape.t, dtype=jnp.int32), jnp.arange(shape.s, dtype=jnp.int32)
 
 
 def _check_inputs(query, key, value, same_head_dim: bool):
@@ -292,7 +351,8 @@ def _select_implementation(implementation, return_weights: bool, shape: Shape,
                            score: Score) -> str:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}"
+            f"implementation must be one of {IMPLEMENTATIONS}, None or jax.nn's 'xla'; got "
+            f"{implementation!r}"
         )
     name = implementation
     if name is None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, ArrayLike, Float
 
 from attnjax import _checks
@@ -108,10 +109,17 @@ def projection_shapes(
 
 def flat_fan_in_init(init, fan_in_axes: int):
     """Initialise the flattened [fan_in, fan_out] matrix, as flax's DenseGeneral does, so
-    variance-scaling initialisers see the true fan-in of a kernel with a head axis."""
+    variance-scaling initialisers see the true fan-in of a kernel with a head axis.
+    fan_in_axes=0 flattens everything (a bias)."""
     def flat_init(key, shape, dtype):
         fan_in, fan_out = math.prod(shape[:fan_in_axes]), math.prod(shape[fan_in_axes:])
-        return init(key, (fan_in, fan_out), dtype).reshape(shape)
+        flat = (fan_in, fan_out) if fan_in_axes else (fan_out,)
+        value = init(key, flat, dtype)
+        # A boxed value (flax's nn.with_partitioning) keeps its metadata, as in flax;
+        # duck-typed so that this pure layer does not import flax.
+        if hasattr(value, "replace_boxed"):
+            return value.replace_boxed(jnp.reshape(value.unbox(), shape))
+        return jnp.reshape(value, shape)
     return flat_init
 
 
@@ -166,32 +174,37 @@ def _check_inputs(inputs_q, inputs_k, inputs_v) -> None:
         )
 
 
-def _dense(p: Mapping[str, ArrayLike], x: ArrayLike, spec: str) -> Array:
-    """x · kernel (+ bias), in x's dtype."""
-    y = jnp.einsum(spec, x, p["kernel"].astype(x.dtype))
+def project(p: Mapping[str, ArrayLike], x: ArrayLike, fan_in_axes: int, *,
+            precision=None, dot_general=lax.dot_general) -> Array:
+    """x · kernel (+ bias), contracting x's last `fan_in_axes` axes with the kernel's
+    first ones, in x's dtype: flax's DenseGeneral, whose `precision` and `dot_general`
+    it takes."""
+    x = jnp.asarray(x)
+    kernel = jnp.asarray(p["kernel"]).astype(x.dtype)
+    contract = tuple(range(x.ndim - fan_in_axes, x.ndim))
+    y = dot_general(x, kernel, ((contract, tuple(range(fan_in_axes))), ((), ())),
+                    precision=precision)
     if "bias" in p:
-        bias = p["bias"].astype(x.dtype)
+        bias = jnp.asarray(p["bias"]).astype(x.dtype)
         y = y + bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
     return y
 
 
 def project_query(params: Mapping[str, Mapping[str, ArrayLike]], inputs_q: ArrayLike) -> Array:
     """`[B, T, D]` -> queries `[B, T, N, H]` with params["query"]."""
-    return _dense(params["query"], inputs_q, "...TD,DNH->...TNH")
+    return project(params["query"], inputs_q, 1)
 
 
 def project_key_value(
     params: Mapping[str, Mapping[str, ArrayLike]], inputs_k: ArrayLike, inputs_v: ArrayLike
 ) -> tuple[Array, Array]:
     """`[B, S, Dk]`, `[B, S, Dv]` -> keys `[B, S, K, H]` and values `[B, S, K, V]`."""
-    key = _dense(params["key"], inputs_k, "...SD,DKH->...SKH")
-    value = _dense(params["value"], inputs_v, "...SD,DKV->...SKV")
-    return key, value
+    return project(params["key"], inputs_k, 1), project(params["value"], inputs_v, 1)
 
 
 def combine_heads(params: Mapping[str, Mapping[str, ArrayLike]], heads: ArrayLike) -> Array:
     """Concat(head_1..h) W^O: `[B, T, N, V]` -> `[B, T, F]` with params["out"]."""
-    return _dense(params["out"], heads, "...TNV,NVF->...TF")
+    return project(params["out"], heads, 2)
 
 
 def multi_head_attention(

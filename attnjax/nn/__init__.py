@@ -1,6 +1,7 @@
 """Flax linen modules on attnjax's functions (layer 5), and KV-cache decoding.
 
-  attention   MultiHeadAttention: flax's parameters and cache convention
+  attention   MultiHeadDotProductAttention (and MultiHeadAttention): a drop-in for
+              flax's, with its fields, parameters, cache and auto-names
   layers      FeedForward, PositionalEncoding (sinusoidal or learned)
   models      EncoderBlock, DecoderBlock, Transformer, DecoderOnly, their configs,
               attention_maps; segment ids and positions for packed sequences
@@ -8,7 +9,7 @@
               different lengths left-padded)
 """
 
-from attnjax.nn.attention import MultiHeadAttention
+from attnjax.nn.attention import MultiHeadAttention, MultiHeadDotProductAttention
 from attnjax.nn.decoding import generate, greedy_decode
 from attnjax.nn.layers import FeedForward, PositionalEncoding, sinusoids
 from attnjax.nn.models import (
@@ -28,6 +29,7 @@ __all__ = [
     "EncoderBlock",
     "FeedForward",
     "MultiHeadAttention",
+    "MultiHeadDotProductAttention",
     "PositionalEncoding",
     "Transformer",
     "TransformerConfig",

@@ -1,11 +1,16 @@
-"""`MultiHeadAttention`: flax.linen's multi-head attention on attnjax's functions.
+"""`MultiHeadDotProductAttention`: flax.linen's multi-head attention on attnjax's functions.
 
-The module holds the parameters (the tree of `flax.linen.MultiHeadDotProductAttention`)
-and the KV cache; projections and attention are `attnjax.multi_head` and
-`attnjax.dot_product_attention`.
+A drop-in for `flax.linen.MultiHeadDotProductAttention` (and `MultiHeadAttention`): the
+same fields, call arguments, defaults, errors, parameter tree, auto-name and KV cache.
+The module holds the parameters and the cache; projections and attention are
+`attnjax.multi_head.project` and `attnjax.dot_product_attention`.
 """
 
+import contextlib
+import functools
+import inspect
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,44 +24,86 @@ from attnjax.attention import dot_product_attention
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
+# attnjax's own fields, at their defaults: what attention_fn (flax's signature) cannot take.
+_ENGINE_FIELDS = {"is_causal": False, "window": None, "score_mod": None, "use_sinks": False,
+                  "implementation": None, "score": "scaled_dot"}
+
 
 class _Projection(nn.Module):
-    """Holds one projection's {"kernel", "bias"}; the maths is in `attnjax.multi_head`."""
+    """One projection as flax's DenseGeneral holds and applies it (its params
+    {"kernel", "bias"}, initialised on the flattened shapes, and its dot_general); the
+    maths is `attnjax.multi_head.project`."""
 
-    fan_in: tuple[int, ...]
-    fan_out: tuple[int, ...]
+    features: tuple[int, ...]
+    fan_in_axes: int
     use_bias: bool
     kernel_init: Callable
     bias_init: Callable
     param_dtype: Any
+    precision: Any
+    dot_general: Callable | None
+    dot_general_cls: Any
 
     @nn.compact
-    def __call__(self) -> dict:
-        init = multi_head.flat_fan_in_init(self.kernel_init, len(self.fan_in))
-        params = {"kernel": self.param("kernel", init, self.fan_in + self.fan_out, self.param_dtype)}
+    def __call__(self, x):
+        fan_in = x.shape[x.ndim - self.fan_in_axes:]
+        params = {"kernel": self.param(
+            "kernel", multi_head.flat_fan_in_init(self.kernel_init, self.fan_in_axes),
+            fan_in + self.features, self.param_dtype)}
         if self.use_bias:
-            params["bias"] = self.param("bias", self.bias_init, self.fan_out, self.param_dtype)
-        return params
+            params["bias"] = self.param("bias", multi_head.flat_fan_in_init(self.bias_init, 0),
+                                        self.features, self.param_dtype)
+        # Instantiated here, as DenseGeneral does, so a module-valued dot_general (AQT)
+        # lives in this projection's scope.
+        if self.dot_general_cls is not None:
+            dot_general = self.dot_general_cls()
+        else:
+            dot_general = self.dot_general or lax.dot_general
+        return multi_head.project(params, x, self.fan_in_axes, precision=self.precision,
+                                  dot_general=dot_general)
 
 
-class MultiHeadAttention(nn.Module):
-    """Multi-head attention with flax's names, parameters and KV-cache convention.
+class MultiHeadDotProductAttention(nn.Module):
+    """Multi-head attention with flax's fields, parameters, cache and auto-name.
 
-    Attributes shared with `flax.linen.MultiHeadDotProductAttention`: num_heads, dtype,
-    param_dtype, qkv_features, out_features, broadcast_dropout, dropout_rate,
-    deterministic, kernel_init, bias_init, use_bias, decode. attnjax's own:
-    num_kv_heads (K < N: grouped-query, 1: multi-query attention), is_causal
-    (bottom-right aligned) and window (both read positions), score_mod (applied to
-    every call's logits, see `attnjax.scores`), use_sinks (a learned `[N]` sink logit
-    per head, parameter "sinks"), implementation, and score: "scaled_dot" (default),
-    "dot" (unscaled), "general" (q W_n kᵀ with a learned `[N, H, H]` W) or "additive"
-    (v_nᵀ tanh(W_q q + W_k k) with learned `[N, H, H]`, `[N, H, H]`, `[N, H]`).
+    Every field of `flax.linen.MultiHeadDotProductAttention` (flax 0.12), with flax's
+    meaning and default: num_heads, dtype (None: the promoted dtype of the inputs and
+    param_dtype), param_dtype, qkv_features, out_features, broadcast_dropout,
+    dropout_rate, deterministic, precision (the projections' and the attention's
+    matmuls), kernel_init, out_kernel_init, bias_init, out_bias_init, use_bias,
+    attention_fn, decode, normalize_qk (LayerNorms "query_ln" and "key_ln" without
+    bias), force_fp32_for_softmax, qkv_dot_general, out_dot_general,
+    qkv_dot_general_cls, out_dot_general_cls, qk_attn_weights_einsum_cls,
+    attn_weights_value_einsum_cls.
 
-    With decode=True, `init` on a full-length input sizes the cache, and each
-    `apply(..., mutable=["cache"])` appends any number of new tokens (a chunked prefill,
-    then one at a time) that attend to everything cached so far (causally when
-    is_causal). The cache holds the K key/value heads and describes itself by positions
-    and its filled length, so a long cache decodes on the chunked kernel too.
+    attention_fn=None (the default) runs attnjax's engine. Given an attention_fn, or
+    either einsum class (which replace the engine's own products: they run in
+    `flax.linen.dot_product_attention`), the attention is that function called as flax
+    calls it, `attention_fn(query, key, value, mask=..., dropout_rng=...,
+    dropout_rate=..., broadcast_dropout=..., deterministic=..., dtype=...,
+    precision=..., force_fp32_for_softmax=..., qk_attn_weights_einsum=...,
+    attn_weights_value_einsum=...)` filtered by its signature, plus module=self with
+    sow_weights; attnjax's own fields below and attnjax.Mask masks are then errors.
+    force_fp32_for_softmax is accepted: attnjax's softmax always runs in float32 for
+    half-precision inputs.
+
+    attnjax's own: num_kv_heads (K < N: grouped-query, 1: multi-query attention),
+    is_causal (bottom-right aligned) and window (both read positions), score_mod
+    (applied to every call's logits, see `attnjax.scores`), use_sinks (a learned `[N]`
+    sink logit per head, parameter "sinks"), implementation, and score: "scaled_dot"
+    (default), "dot" (unscaled), "general" (q W_n kᵀ with a learned `[N, H, H]` W) or
+    "additive" (v_nᵀ tanh(W_q q + W_k k) with learned `[N, H, H]`, `[N, H, H]`, `[N, H]`).
+
+    Where it differs from flax: a query that sees no key gets zeros (flax averages
+    every value), dropout draws its masks differently (same distribution), and option
+    errors are ValueErrors (flax asserts).
+
+    With decode=True, `init` on a full-length input sizes the cache (flax's
+    cached_key, cached_value `[batch..., L, K, H|V]` and cache_index), and each
+    `apply(..., mutable=["cache"])` appends the new tokens: one at a time as in flax,
+    or any number (a chunked prefill) that attend to everything cached so far
+    (causally when is_causal). The cache describes itself by positions and its filled
+    length, so a long cache decodes on the chunked kernel too.
     """
 
     num_heads: int
@@ -67,10 +114,22 @@ class MultiHeadAttention(nn.Module):
     broadcast_dropout: bool = True
     dropout_rate: float = 0.0
     deterministic: bool | None = None
+    precision: Any = None
     kernel_init: Callable = nn.initializers.lecun_normal()
+    out_kernel_init: Callable | None = None
     bias_init: Callable = nn.initializers.zeros_init()
+    out_bias_init: Callable | None = None
     use_bias: bool = True
+    attention_fn: Callable | None = None
     decode: bool = False
+    normalize_qk: bool = False
+    force_fp32_for_softmax: bool = False
+    qkv_dot_general: Callable | None = None
+    out_dot_general: Callable | None = None
+    qkv_dot_general_cls: Any = None
+    out_dot_general_cls: Any = None
+    qk_attn_weights_einsum_cls: Callable | None = None
+    attn_weights_value_einsum_cls: Callable | None = None
     num_kv_heads: int | None = None
     is_causal: bool = False
     window: int | tuple[int, int] | None = None
@@ -80,43 +139,94 @@ class MultiHeadAttention(nn.Module):
     score: str = "scaled_dot"
 
     @nn.compact
-    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
                  deterministic=None, dropout_rng=None, sow_weights=False,
                  **attention_options):
-        """inputs_q `[B, T, D]`, inputs_k `[B, S, Dk]` (default inputs_q), inputs_v
-        `[B, S, Dv]` (default inputs_k) -> `[B, T, F]`.
+        """inputs_q `[batch..., T, D]`, inputs_k `[batch..., S, Dk]` (default inputs_q),
+        inputs_v `[batch..., S, Dv]` (default inputs_k) -> `[batch..., T, F]`.
 
-        mask: a bool array broadcastable to `[B, N, T, S]` or an `attnjax.Mask`, combined
-        with the module's is_causal and window. attention_options: any other keyword of
-        `attnjax.dot_product_attention` (bias, query_lengths, key_lengths, positions,
-        score_mod, sinks, ...)."""
-        inputs_k = inputs_q if inputs_k is None else inputs_k
-        inputs_v = inputs_k if inputs_v is None else inputs_v
-        dtype = self.dtype or inputs_q.dtype
-        inputs_q, inputs_k, inputs_v = (jnp.asarray(x, dtype) for x in (inputs_q, inputs_k, inputs_v))
-        params, head_dim = self._parameters(inputs_q.shape[-1], inputs_k.shape[-1], inputs_v.shape[-1])
-        # [B, T, N, H]
-        query = multi_head.project_query(params, inputs_q)
-        # [B, S, K, H], [B, S, K, V]
-        key, value = multi_head.project_key_value(params, inputs_k, inputs_v)
+        inputs_kv: flax's deprecated name for inputs_k = inputs_v (not with either).
+        mask: broadcastable to `[batch..., N, T, S]`, bool or flax's float/int 0/1
+        (nonzero = attend), or an `attnjax.Mask`; combined with is_causal and window.
+        sow_weights: store the `[batch..., N, T, S]` weights in the "intermediates"
+        collection as "attention_weights", as flax does. attention_options: any other
+        keyword of `attnjax.dot_product_attention` (bias, query_lengths, positions,
+        score_mod, sinks, causal_alignment, ...); with several batch axes its
+        per-example arrays (and a Mask's) are laid out over their flattened product."""
+        inputs_q, inputs_k, inputs_v = _inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
+        dtype = self.dtype or _promoted_dtype((inputs_q, inputs_k, inputs_v), self.param_dtype)
+        inputs_q, inputs_k, inputs_v = (x.astype(dtype) for x in (inputs_q, inputs_k, inputs_v))
+        shapes = self._shapes(inputs_q.shape[-1], inputs_k.shape[-1], inputs_v.shape[-1])
+        qkv = functools.partial(self._projection, dot_general=self.qkv_dot_general,
+                                dot_general_cls=self.qkv_dot_general_cls)
+        # [batch..., T, N, H]
+        query = qkv(shapes["query"], name="query")(inputs_q)
+        # [batch..., S, K, H], [batch..., S, K, V]
+        key = qkv(shapes["key"], name="key")(inputs_k)
+        value = qkv(shapes["value"], name="value")(inputs_v)
+        if self.normalize_qk:
+            # Normalised queries and keys train stably at higher learning rates (ViT-22B).
+            ln = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
+                                   param_dtype=self.param_dtype)
+            query = ln(name="query_ln")(query).astype(dtype)
+            key = ln(name="key_ln")(key).astype(dtype)
 
-        visible = self._mask(mask)
-        if self.decode:
-            cached = self._update_cache(key, value)
-            if cached is not None:  # not the sizing call of `init`
-                if attention_options.get("positions") is not None:
-                    raise ValueError("positions= cannot be given with decode=True: the "
-                                     "cache places new tokens at its own index")
-                key, value, filled, positions = cached
-                visible = visible & masks.lengths(key=filled)
-                attention_options["positions"] = positions
+        cached = self._update_cache(key, value) if self.decode else None
+        if cached is not None:  # not the sizing call of `init`
+            key, value = cached[:2]
 
-        rate = 0.0
+        dropout_rate = 0.0
         if self.dropout_rate > 0.0 and not nn.merge_param(
                 "deterministic", self.deterministic, deterministic):
-            rate = self.dropout_rate
-        if rate > 0.0 and dropout_rng is None:
-            dropout_rng = self.make_rng("dropout")
+            dropout_rate = self.dropout_rate
+            if dropout_rng is None:
+                dropout_rng = self.make_rng("dropout")
+
+        if self.attention_fn is None and not self._einsum_classes():
+            heads = self._engine(query, key, value, mask, cached, dropout_rate, dropout_rng,
+                                 sow_weights, dtype, attention_options)
+        else:
+            heads = self._flax_attention(query, key, value, mask, cached, dropout_rate,
+                                         dropout_rng, sow_weights, attention_options)
+        # [batch..., T, F]
+        return self._projection(
+            shapes["out"], dot_general=self.out_dot_general,
+            dot_general_cls=self.out_dot_general_cls,
+            kernel_init=self.out_kernel_init or self.kernel_init,
+            bias_init=self.out_bias_init or self.bias_init, name="out")(heads)
+
+    def _shapes(self, d_q: int, d_k: int, d_v: int):
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
+        shapes = multi_head.projection_shapes(
+            d_q, self.num_heads, qkv_features=self.qkv_features, out_features=self.out_features,
+            num_kv_heads=self.num_kv_heads, kv_features=d_k)
+        shapes["value"] = ((d_v,), shapes["value"][1])  # inputs_v may be narrower or wider
+        return shapes
+
+    def _projection(self, shape, *, dot_general, dot_general_cls, name, kernel_init=None,
+                    bias_init=None) -> _Projection:
+        fan_in, fan_out = shape
+        return _Projection(fan_out, len(fan_in), self.use_bias, kernel_init or self.kernel_init,
+                           bias_init or self.bias_init, self.param_dtype, self.precision,
+                           dot_general, dot_general_cls, name=name)
+
+    def _einsum_classes(self) -> bool:
+        return (self.qk_attn_weights_einsum_cls is not None
+                or self.attn_weights_value_einsum_cls is not None)
+
+    def _engine(self, query, key, value, mask, cached, dropout_rate, dropout_rng,
+                sow_weights, dtype, attention_options):
+        """attnjax's engine on `[B, ·, ·, ·]`, several batch axes flattened into B."""
+        batch = query.shape[:-3]
+        visible = self._mask(mask, batch)
+        if cached is not None:
+            if attention_options.get("positions") is not None:
+                raise ValueError("positions= cannot be given with decode=True: the "
+                                 "cache places new tokens at its own index")
+            _, _, filled, positions = cached
+            visible = visible & masks.lengths(key=filled)
+            attention_options["positions"] = positions
         if self.score_mod is not None:
             attention_options["score_mod"] = self.score_mod
         if self.use_sinks:
@@ -125,41 +235,75 @@ class MultiHeadAttention(nn.Module):
         if self.score == "dot":
             attention_options["scale"] = 1.0
         elif self.score in ("general", "additive"):
-            attention_options["alignment"] = self._alignment(head_dim, dtype)
-        result = dot_product_attention(
-            query, key, value, mask=visible, dropout_rate=rate, dropout_rng=dropout_rng,
-            dropout_broadcast=self.broadcast_dropout, return_weights=sow_weights,
-            implementation=self.implementation, **attention_options)
+            attention_options["alignment"] = self._alignment(query.shape[-1], dtype)
+        if len(batch) > 1:
+            # [B, T, N, H], [B, S, K, H], [B, S, K, V]
+            query, key, value = (x.reshape((-1,) + x.shape[len(batch):])
+                                 for x in (query, key, value))
+        with _matmul_precision(self.precision):
+            result = dot_product_attention(
+                query, key, value, mask=visible, dropout_rate=dropout_rate,
+                dropout_rng=dropout_rng, dropout_broadcast=self.broadcast_dropout,
+                return_weights=sow_weights, implementation=self.implementation,
+                **attention_options)
         heads, weights = result if sow_weights else (result, None)
+        if len(batch) > 1:
+            # [batch..., T, N, V], weights [batch..., N, T, S]
+            heads = heads.reshape(batch + heads.shape[1:])
+            weights = None if weights is None else weights.reshape(batch + weights.shape[1:])
         if sow_weights:
             self.sow("intermediates", "attention_weights", weights)
-        # [B, T, F]
-        return multi_head.combine_heads(params, heads)
+        return heads
 
-    def _mask(self, mask) -> masks.Mask:
+    def _mask(self, mask, batch: tuple[int, ...]) -> masks.Mask:
         """The module's is_causal and window and the call's mask, as one Mask."""
         visible = masks.everything()
-        if mask is not None:
-            visible = mask if isinstance(mask, masks.Mask) else masks.from_array(mask)
+        if isinstance(mask, masks.Mask):
+            visible = mask
+        elif mask is not None:
+            visible = masks.from_array(_flat_mask(mask, batch))
         if self.is_causal:
             visible = visible & masks.causal()
         if self.window is not None:
             visible = visible & masks.window(*_checks.resolve_window(self.window))
         return visible
 
-    def _parameters(self, d_q: int, d_k: int, d_v: int):
-        if self.score not in SCORES:
-            raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
-        shapes = multi_head.projection_shapes(
-            d_q, self.num_heads, qkv_features=self.qkv_features, out_features=self.out_features,
-            num_kv_heads=self.num_kv_heads, kv_features=d_k)
-        shapes["value"] = ((d_v,), shapes["value"][1])  # inputs_v may be narrower or wider
-        params = {
-            name: _Projection(fan_in, fan_out, self.use_bias, self.kernel_init, self.bias_init,
-                              self.param_dtype, name=name)()
-            for name, (fan_in, fan_out) in shapes.items()
-        }
-        return params, shapes["query"][1][1]
+    def _flax_attention(self, query, key, value, mask, cached, dropout_rate, dropout_rng,
+                        sow_weights, attention_options):
+        """flax's attention call: attention_fn (or flax's own, for the einsum classes)
+        with flax's keywords, filtered by its signature."""
+        engine_only = [f"{name}={getattr(self, name)!r}" for name, default in
+                       _ENGINE_FIELDS.items() if getattr(self, name) != default]
+        engine_only += [f"{name}=" for name in attention_options]
+        if isinstance(mask, masks.Mask):
+            engine_only.append(f"mask={mask!r}")
+        if engine_only:
+            raise ValueError(
+                "attention_fn and qk_attn_weights_einsum_cls/attn_weights_value_einsum_cls "
+                "replace attnjax's engine with flax's attention signature, which takes a "
+                "mask array only; got " + ", ".join(engine_only))
+        if cached is not None:
+            # flax's cache mask: every filled slot, for each new token.
+            filled, capacity = cached[2], key.shape[-3]
+            # [batch..., 1, 1, S_cache]
+            filled_slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32) < filled,
+                                            query.shape[:-3] + (1, 1, capacity))
+            mask = nn.combine_masks(mask, filled_slots)
+        attention_fn = self.attention_fn or nn.dot_product_attention
+        kwargs = dict(
+            mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+            broadcast_dropout=self.broadcast_dropout, deterministic=dropout_rate == 0.0,
+            dtype=self.dtype, precision=self.precision,
+            force_fp32_for_softmax=self.force_fp32_for_softmax,
+            qk_attn_weights_einsum=(self.qk_attn_weights_einsum_cls()
+                                    if self.qk_attn_weights_einsum_cls else None),
+            attn_weights_value_einsum=(self.attn_weights_value_einsum_cls()
+                                       if self.attn_weights_value_einsum_cls else None))
+        accepted = inspect.signature(attention_fn).parameters
+        kwargs = {name: x for name, x in kwargs.items() if name in accepted}
+        if sow_weights:
+            return attention_fn(query, key, value, **kwargs, module=self)
+        return attention_fn(query, key, value, **kwargs)
 
     def _alignment(self, h: int, dtype):
         """(score_fn, per-head parameters) of the learned general or additive score."""
@@ -177,28 +321,131 @@ class MultiHeadAttention(nn.Module):
         return scores.additive_score, {k: p.astype(dtype) for k, p in params.items()}
 
     def _update_cache(self, key, value):
-        """Append the new keys/values at the cache index: the cached keys and values,
-        the filled length, and the (query, key) positions — the new queries at
-        start..start+T−1, the cache slots at 0..S_cache−1; None on the call that
-        creates the cache."""
+        """Append the new keys/values `[batch..., T, K, ·]` at the cache index: the
+        cached keys and values, the filled length, and the (query, key) positions — the
+        new queries at start..start+T−1, the cache slots at 0..S_cache−1; None on the
+        call that creates the cache."""
         initialised = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         if not initialised:
             return None
-        capacity, new = cached_key.value.shape[1], key.shape[1]
+        cache_shape = cached_key.value.shape
+        if key.shape[:-3] != cache_shape[:-3] or key.shape[-2:] != cache_shape[-2:]:
+            expected = _checks.shape_str(cache_shape[:-3]) + " T " + _checks.shape_str(
+                cache_shape[-2:])
+            raise ValueError(
+                f"decode=True: new keys must have the cache's batch axes and heads, "
+                f"[batch..., T, K, H] = {expected}; got {_checks.shape_str(key.shape)}")
+        capacity, new = cache_shape[-3], key.shape[-3]
         start = index.value
         _check_room(start, new, capacity)
         zero = jnp.int32(0)
-        cached_key.value = lax.dynamic_update_slice(cached_key.value, key.astype(cached_key.value.dtype),
-                                                    (zero, start, zero, zero))
+        at = (zero,) * (key.ndim - 3) + (start, zero, zero)
+        cached_key.value = lax.dynamic_update_slice(
+            cached_key.value, key.astype(cached_key.value.dtype), at)
         cached_value.value = lax.dynamic_update_slice(
-            cached_value.value, value.astype(cached_value.value.dtype), (zero, start, zero, zero))
+            cached_value.value, value.astype(cached_value.value.dtype), at)
         index.value = start + new
         positions = (start + jnp.arange(new, dtype=jnp.int32),
                      jnp.arange(capacity, dtype=jnp.int32))
         return cached_key.value, cached_value.value, start + new, positions
+
+
+class MultiHeadAttention(MultiHeadDotProductAttention):
+    """`MultiHeadDotProductAttention` under flax's other name: identical, but
+    auto-named `MultiHeadAttention_{i}` inside a parent, as flax's
+    `nn.MultiHeadAttention` is, so either flax class swaps for its namesake here."""
+
+
+def _inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
+    """The three inputs by flax's rules for the key and value inputs, their shapes
+    checked."""
+    if inputs_kv is not None:
+        if inputs_k is not None or inputs_v is not None:
+            raise ValueError(
+                "inputs_kv must be None when inputs_k or inputs_v is given (flax's rule; "
+                "inputs_kv is deprecated: pass inputs_k, and inputs_v if it differs); got "
+                f"inputs_kv and {'inputs_k' if inputs_k is not None else 'inputs_v'}")
+        warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v "
+                      "instead. See https://github.com/google/flax/discussions/3389 for "
+                      "more information.", DeprecationWarning, stacklevel=3)
+        inputs_k = inputs_v = inputs_kv
+    elif inputs_k is None:
+        if inputs_v is not None:
+            raise ValueError("inputs_k cannot be None if inputs_v is given (flax's rule): "
+                             "pass the keys as inputs_k, or inputs_k alone for keys = "
+                             "values; got inputs_v only")
+        inputs_k = inputs_q
+    elif inputs_v is not None and inputs_v.shape[-1] == inputs_v.shape[-2]:
+        warnings.warn(
+            f"You are passing an array of shape {inputs_v.shape} to the `inputs_v` arg, "
+            "when you may have intended to pass it to the `mask` arg (flax's positional "
+            "mask before 0.7.4). Use the kwarg `mask` instead.", DeprecationWarning,
+            stacklevel=3)
+    inputs_v = inputs_k if inputs_v is None else inputs_v
+    inputs = [jnp.asarray(x) for x in (inputs_q, inputs_k, inputs_v)]
+    for name, x in zip(("inputs_q", "inputs_k", "inputs_v"), inputs):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have shape [batch..., length, features]; got "
+                             f"{_checks.shape_str(x.shape)}")
+    q, k, v = inputs
+    if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            "inputs_q [batch..., T, D], inputs_k [batch..., S, Dk] and inputs_v "
+            "[batch..., S, Dv] must share the batch axes, and inputs_k and inputs_v S; "
+            f"got {_checks.shape_str(q.shape)}, {_checks.shape_str(k.shape)}, "
+            f"{_checks.shape_str(v.shape)}")
+    return q, k, v
+
+
+def _promoted_dtype(arrays, param_dtype):
+    """flax's dtype=None: the inputs' and the parameters' dtypes promoted together, by
+    jax's standard rules (flax's promote_dtype) whatever the caller's promotion mode."""
+    with jax.numpy_dtype_promotion("standard"):
+        return functools.reduce(jnp.promote_types, [x.dtype for x in arrays], param_dtype)
+
+
+def _flat_mask(mask, batch: tuple[int, ...]):
+    """A flax mask broadcastable to `[batch..., N, T, S]` (bool, or float/int where
+    nonzero attends) as attnjax's bool mask over one batch axis `[B|1, N|1, T|1, S|1]`."""
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        mask = mask != 0
+    if len(batch) <= 1 or mask.ndim <= 3:
+        return mask
+    leading = mask.shape[:-3]
+    if len(leading) > len(batch) or any(
+            d not in (1, b) for d, b in zip(leading[::-1], batch[::-1])):
+        raise ValueError(
+            f"mask must be broadcastable to [batch..., N, T, S] with batch axes "
+            f"{_checks.shape_str(batch)}; got {_checks.shape_str(mask.shape)}")
+    mask = mask.reshape((1,) * (len(batch) - len(leading)) + mask.shape)
+    # [batch..., N|1, T|1, S|1] -> [B, N|1, T|1, S|1]
+    mask = jnp.broadcast_to(mask, batch + mask.shape[-3:])
+    return mask.reshape((-1,) + mask.shape[-3:])
+
+
+def _matmul_precision(precision):
+    """flax's `precision` for the engine's products, which run at jax's default matmul
+    precision: a context that sets it (nothing when None)."""
+    if precision is None:
+        return contextlib.nullcontext()
+    if isinstance(precision, (tuple, list)):
+        if len(precision) != 2 or precision[0] != precision[1]:
+            raise ValueError(
+                "precision as a pair must name one precision twice for attnjax's engine "
+                "(its products take one); got " + repr(precision))
+        precision = precision[0]
+    if isinstance(precision, lax.Precision):
+        precision = precision.name.lower()
+    elif isinstance(precision, lax.DotAlgorithmPreset):
+        precision = precision.name
+    if not isinstance(precision, str):
+        raise TypeError(f"precision must be None, a string, a jax.lax.Precision or a "
+                        f"DotAlgorithmPreset; got {precision!r}")
+    return jax.default_matmul_precision(precision)
 
 
 def _check_room(start, new: int, capacity: int) -> None:

@@ -1,0 +1,199 @@
+"""attnjax.dot_product_attention takes every argument of jax.nn.dot_product_attention
+with jax.nn's meaning: a call written for jax.nn gives jax.nn's result on every row that
+sees a key (a row that sees none gives zeros in attnjax, an average in jax.nn).
+
+jax.nn runs as its users run it (standard promotion); attnjax under the suite's strict
+promotion."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+
+import attnjax
+from tests.numerics import as_users_run
+
+# distinct sizes; jax.nn needs V = H
+B, T, S, N, K, H = 3, 5, 7, 4, 2, 6
+
+
+def _host(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _qkv(seed: int, t=T, s=S, batch=(B,)):
+    host = _host(seed)
+    return tuple(jnp.asarray(host.standard_normal(batch + shape), jnp.float32)
+                 for shape in ((t, N, H), (s, K, H), (s, K, H)))
+
+
+def _jax_nn(*args, **kwargs):
+    with as_users_run():
+        return jax.nn.dot_product_attention(*args, **kwargs)
+
+
+def _visible(t, s, kwargs, mask=None):
+    """jax.nn's visibility `[B|1, 1|N, T, S]`, written out in numpy: top-left causal
+    and window, lengths by index."""
+    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+    seen = np.ones((1, 1, t, s), bool)
+    if mask is not None:
+        seen = seen & np.asarray(mask)
+    if kwargs.get("is_causal"):
+        seen = seen & (j <= i)
+    window = kwargs.get("local_window_size")
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        seen = seen & (j >= i - left) & (j <= i + right)
+    if kwargs.get("key_value_seq_lengths") is not None:
+        seen = seen & (j < np.asarray(kwargs["key_value_seq_lengths"])[:, None, None, None])
+    if kwargs.get("query_seq_lengths") is not None:
+        seen = seen & (i < np.asarray(kwargs["query_seq_lengths"])[:, None, None, None])
+    return seen
+
+
+def _lengths(seed, high, low=0):
+    return jnp.asarray(_host(seed).integers(low, high + 1, (B,)), jnp.int32)
+
+
+def test_every_jax_nn_argument_is_accepted_with_its_kind_and_default():
+    ours = inspect.signature(attnjax.dot_product_attention).parameters
+    for name, theirs in inspect.signature(jax.nn.dot_product_attention).parameters.items():
+        assert name in ours, name
+        assert ours[name].kind == theirs.kind, name
+        assert ours[name].default == theirs.default, name
+
+
+# (name, T, S, keywords for both, whether to pass a random bool mask)
+CASES = [
+    ("seq_lengths", T, S, lambda seed: dict(query_seq_lengths=_lengths(seed, T, 1),
+                                            key_value_seq_lengths=_lengths(seed + 1, S)), False),
+    ("window_int_causal", T, T, lambda seed: dict(local_window_size=2, is_causal=True), False),
+    ("window_pair", T, T, lambda seed: dict(local_window_size=(3, 1)), True),
+    ("top_left_fewer_queries", T, S, lambda seed: dict(is_causal=True,
+                                                       causal_alignment="top_left"), False),
+    ("top_left_more_queries", S, T, lambda seed: dict(
+        is_causal=True, local_window_size=(2, 0), causal_alignment="top_left",
+        key_value_seq_lengths=_lengths(seed, T, 2)), False),
+    ("top_left_window_and_bias", T, S, lambda seed: dict(
+        local_window_size=(1, 2), causal_alignment="top_left", implementation="xla"), True),
+]
+
+
+@pytest.mark.parametrize("name, t, s, make, with_mask", CASES, ids=[c[0] for c in CASES])
+def test_jax_nn_keywords_give_jax_nn_results(name, t, s, make, with_mask):
+    seed = sum(map(ord, name))
+    q, k, v = _qkv(seed, t, s)
+    kwargs = make(seed)
+    host = _host(seed + 2)
+    mask = jnp.asarray(host.random((B, 1, t, s)) < 0.7) if with_mask else None
+    bias = jnp.asarray(host.standard_normal((1, N, t, s)), jnp.float32) if with_mask else None
+    theirs = {key: x for key, x in kwargs.items() if key != "causal_alignment"}
+    expected, expected_lse = _jax_nn(q, k, v, bias, mask, return_residual=True, **theirs)
+    got, lse = attnjax.dot_product_attention(q, k, v, bias, mask, return_residual=True, **kwargs)
+    seen = np.broadcast_to(_visible(t, s, theirs, mask), (B, N, t, s))
+    # [B, T, N]: rows that see a key, and padded query rows (zeros in both)
+    rows = seen.any(-1).transpose(0, 2, 1)
+    padded = np.zeros_like(rows)
+    if "query_seq_lengths" in theirs:
+        padded = (np.arange(t)[None, :] >= np.asarray(theirs["query_seq_lengths"])[:, None])
+        padded = np.broadcast_to(padded[:, :, None], rows.shape)
+    assert rows.any()
+    compared = rows | padded
+    np.testing.assert_allclose(np.asarray(got)[compared], np.asarray(expected)[compared],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse)[rows], np.asarray(expected_lse)[rows],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got)[~compared], 0.0)
+
+
+def test_unbatched_call_with_jax_nn_keywords():
+    q, k, v = _qkv(11, T, S, batch=())
+    expected = _jax_nn(q, k, v, local_window_size=(2, 3))
+    got = attnjax.dot_product_attention(q, k, v, local_window_size=(2, 3),
+                                        causal_alignment="top_left")
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_jax_nn_names_are_aliases_of_attnjax_s():
+    q, k, v = _qkv(12)
+    q_len, k_len = _lengths(13, T, 1), _lengths(14, S, 1)
+    by_jax_nn = attnjax.dot_product_attention(
+        q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=k_len, local_window_size=(2, 1))
+    by_attnjax = attnjax.dot_product_attention(
+        q, k, v, query_lengths=q_len, key_lengths=k_len, window=(2, 1))
+    np.testing.assert_array_equal(by_jax_nn, by_attnjax)
+    automatic = attnjax.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_array_equal(
+        attnjax.dot_product_attention(q, k, v, is_causal=True, implementation="xla"), automatic)
+
+
+def test_top_left_is_positions_from_zero_and_differs_from_bottom_right():
+    q, k, v = _qkv(15)
+    top_left = attnjax.dot_product_attention(q, k, v, is_causal=True,
+                                             causal_alignment="top_left")
+    by_positions = attnjax.dot_product_attention(
+        q, k, v, is_causal=True, positions=(jnp.arange(T, dtype=jnp.int32),
+                                            jnp.arange(S, dtype=jnp.int32)))
+    np.testing.assert_array_equal(top_left, by_positions)
+    bottom_right = attnjax.dot_product_attention(q, k, v, is_causal=True)
+    assert not np.allclose(top_left, bottom_right, atol=1e-3)
+    # with T = S the two alignments are one
+    square = attnjax.dot_product_attention(q, k[:, :T], v[:, :T], is_causal=True,
+                                           causal_alignment="top_left")
+    np.testing.assert_array_equal(
+        square, attnjax.dot_product_attention(q, k[:, :T], v[:, :T], is_causal=True))
+
+
+@pytest.fixture
+def _own_checks_only():
+    """attnjax's own messages, as a user without runtime type checks sees them."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)
+
+
+@pytest.mark.usefixtures("_own_checks_only")
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(query_lengths=jnp.ones((B,), jnp.int32), query_seq_lengths=jnp.ones((B,), jnp.int32)),
+     "query_lengths and query_seq_lengths are two names for one argument"),
+    (dict(key_lengths=jnp.ones((B,), jnp.int32),
+          key_value_seq_lengths=jnp.ones((B,), jnp.int32)),
+     "key_lengths and key_value_seq_lengths are two names for one argument"),
+    (dict(window=2, local_window_size=2), "window and local_window_size are two names"),
+    (dict(causal_alignment="top_left", positions=(jnp.arange(T), jnp.arange(S))),
+     "causal_alignment='top_left'.*with positions= given"),
+    (dict(causal_alignment="top-left"),
+     r"causal_alignment must be one of \('bottom_right', 'top_left'\); got 'top-left'"),
+    (dict(implementation="flash"), r"implementation must be one of .*'xla'; got 'flash'"),
+])
+def test_mistakes_are_named_errors(kwargs, message):
+    q, k, v = _qkv(16)
+    with pytest.raises(ValueError, match=message):
+        attnjax.dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_masked_calls_run_under_debug_infs_and_nans(implementation):
+    """jax.nn's keywords with rows that see no key (a zero key length, a window past
+    the keys), forward, backward and the residual: nothing inside attnjax makes an inf
+    or a NaN."""
+    q, k, v = _qkv(17, S, T)
+    k_len = jnp.asarray([T, 0, 3], jnp.int32)
+
+    def loss(q, k, v):
+        out, lse = attnjax.dot_product_attention(
+            q, k, v, is_causal=True, query_seq_lengths=jnp.asarray([S, S - 1, 2], jnp.int32),
+            key_value_seq_lengths=k_len, local_window_size=(1, 0), causal_alignment="top_left",
+            return_residual=True, implementation=implementation)
+        return jnp.sum(out ** 2) + jnp.sum(jnp.where(lse > -1e29, lse, 0.0)), (out, lse)
+
+    with jax.debug_infs(True), jax.debug_nans(True):
+        grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    for x in (*grads, out, lse):
+        assert np.isfinite(np.asarray(x)).all()
+    np.testing.assert_array_equal(out[1], 0.0)          # no key at all
+    np.testing.assert_array_equal(out[0, T + 1:], 0.0)  # window past the last key

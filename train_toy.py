@@ -3,7 +3,16 @@
 The logic lives in `attnjax.toy.cli` (also installed as the `attnjax-train` command).
 """
 
-from attnjax.toy.cli import main
+import signal
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Loading jax, flax and orbax takes seconds: a Ctrl-C or SIGTERM meanwhile is kept
+    # for main to honour (exit 130/143, saying nothing was saved) rather than raised in
+    # the middle of an import.
+    early_signals = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: early_signals.append(signum))
+
+    from attnjax.toy.cli import main
+
+    raise SystemExit(main(early_signals=early_signals))

@@ -7,6 +7,7 @@ trace time, naming the argument, what was expected and what was given.
 import math
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,13 +52,25 @@ def check_param_shape(name: str, x, expected: Sequence[int], layout: str) -> Non
         )
 
 
+# The scales a call may use. Above MAX_SCALE the softmax of ordinary logits is already a
+# hard argmax, and the scaled float16 queries (or float32 logits, further up) overflow to
+# inf; below MIN_SCALE the scale rounds to 0 in float32 and every logit with it.
+MAX_SCALE = 1e4
+MIN_SCALE = float(np.finfo(np.float32).tiny)
+
+
 def resolve_scale(scale, head_dim: int) -> float:
     if scale is None:
+        if head_dim == 0:
+            raise ValueError("the head dim H must be positive to scale by 1/√H; got H=0")
         return 1.0 / math.sqrt(head_dim)
     if not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a Python number; got {type(scale).__name__}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be positive and finite; got {scale}")
+    if not MIN_SCALE <= scale <= MAX_SCALE:
+        raise ValueError(f"scale must lie in [{MIN_SCALE:.3g}, {MAX_SCALE:g}] (beyond, the "
+                         f"logits round to 0 or overflow); got {scale:g}")
     return float(scale)
 
 
@@ -77,10 +90,19 @@ def check_mask(name: str, mask, target: Sequence[int], layout: str) -> None:
 
 
 def check_bias(name: str, bias, target: Sequence[int], layout: str) -> None:
+    """A floating array broadcastable to `target`. Known values (outside jit) must be
+    finite or -inf (masked): NaN or +inf would make every weight of their row NaN."""
     if not hasattr(bias, "dtype") or not jnp.issubdtype(bias.dtype, jnp.floating):
         got = getattr(bias, "dtype", type(bias).__name__)
         raise TypeError(f"{name} must be a floating array (additive logits); got {got}")
     check_broadcastable(name, bias, target, layout)
+    if not isinstance(bias, jax.core.Tracer):
+        # float32 on the host: numpy has no bfloat16 comparisons of its own
+        values = np.asarray(bias, np.float32 if bias.dtype.itemsize < 4 else bias.dtype)
+        bad = np.isnan(values) | (values == np.inf)
+        if bad.any():
+            raise ValueError(f"{name} must be finite or -inf (masked); got "
+                             f"{values[bad].flat[0]} at index {np.argwhere(bad)[0].tolist()}")
 
 
 def check_broadcastable(name: str, x, target: Sequence[int], layout: str) -> None:

@@ -249,6 +249,16 @@ def _check_inputs(query, key, value, same_head_dim: bool):
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.check_floating(name, x)
     _checks.check_same_dtype(query=query, key=key, value=value)
+    # An empty axis leaves nothing to attend with (1/√H, the kernels' row reductions and
+    # block loops need one element); an empty V is fine: the output is empty too.
+    sizes = dict(zip("TNH" if unbatched else "BTNH", query.shape))
+    sizes |= dict(zip("SK", key.shape[-3:-1]))
+    if 0 in sizes.values():
+        raise ValueError(
+            f"query, key and value must not be empty; got "
+            f"{', '.join(f'{axis}=0' for axis, size in sizes.items() if size == 0)} in query "
+            f"{_checks.shape_str(query.shape)} {layouts['query']}, key "
+            f"{_checks.shape_str(key.shape)} {layouts['key']}")
     if unbatched:
         query, key, value = query[None], key[None], value[None]
     _check_shapes(query, key, value, layouts, same_head_dim)

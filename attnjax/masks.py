@@ -180,11 +180,33 @@ class Shape:
 
     def per_example(self, name: str, x, tail: tuple[int, ...], layout: str) -> Array:
         """Integer `x` of shape `[B, *tail]` (or `tail` alone, shared by the batch;
-        unbatched calls take `tail` alone) as int32 `[B|1, 1, *tail]`."""
-        x = jnp.asarray(x)
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise TypeError(f"{name} must have an integer dtype; got {x.dtype}")
-        x = x.astype(jnp.int32)
+        unbatched calls take `tail` alone) as int32 `[B|1, 1, *tail]`.
+
+        Any integer dtype. Values the int32 rules cannot hold are an error when they are
+        known (outside jit); traced ones saturate at int32's bounds, which is exact for
+        lengths (any length past the sequence means all of it)."""
+        low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+        if isinstance(x, jax.core.Tracer):
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise TypeError(f"{name} must have an integer dtype; got {x.dtype}")
+            if x.dtype.itemsize > 4 or x.dtype == jnp.uint32:
+                x = jnp.clip(x, max(low, jnp.iinfo(x.dtype).min), high)
+        else:
+            # Known values are read before jnp.asarray, which without x64 wraps int64
+            # to int32 silently.
+            try:
+                known = np.asarray(x)
+            except OverflowError:
+                raise ValueError(f"{name} must lie in int32's range [{low}, {high}]; got "
+                                 f"{x!r}") from None
+            if not np.issubdtype(known.dtype, np.integer):
+                raise TypeError(f"{name} must have an integer dtype; got {known.dtype}")
+            if known.size and (known.min() < low or known.max() > high):
+                bad = known.min() if known.min() < low else known.max()
+                raise ValueError(f"{name} must lie in int32's range [{low}, {high}]; got "
+                                 f"{bad} (dtype {known.dtype})")
+            x = known
+        x = jnp.asarray(x).astype(jnp.int32)
         batched = () if self.unbatched else (self.b,)
         shapes = {tuple(tail), batched + tuple(tail)}
         if tuple(x.shape) not in shapes:

@@ -1,13 +1,51 @@
 """Decoding with the KV cache, under `jax.jit`: greedy for the encoder–decoder,
-greedy or sampled generation for the decoder-only model."""
+greedy or sampled generation for the decoder-only model.
+
+The public functions check their arguments first, outside jit, where the values of the
+prompts and lengths are still known; the decoding loops are jit-compiled."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from attnjax.nn.models import DecoderOnly, Transformer
+from attnjax.nn.models import DecoderOnly, Transformer, check_tokens
+
+
+def _check_count(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
+
+
+def _check_id(name: str, value, vocab_size: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+            0 <= value < vocab_size):
+        raise ValueError(f"{name} must be a token id in [0, {vocab_size}); got {value!r}")
+
+
+def _check_lengths(name: str, lengths, batch: int, longest: int) -> None:
+    """int `[B]` lengths, each in [1, longest] when known."""
+    if lengths is None:
+        return
+    if np.shape(lengths) != (batch,):
+        raise ValueError(f"{name} must have shape [B] = ({batch},); got {np.shape(lengths)}")
+    dtype = lengths.dtype if hasattr(lengths, "dtype") else np.asarray(lengths).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {dtype}")
+    if not isinstance(lengths, jax.core.Tracer):
+        known = np.asarray(lengths)
+        if known.size and (known.min() < 1 or known.max() > longest):
+            bad = known.min() if known.min() < 1 else known.max()
+            raise ValueError(f"{name} must lie in [1, {longest}]; got {bad}")
+
+
+def _check_batch(name: str, tokens) -> None:
+    if np.ndim(tokens) != 2 or 0 in np.shape(tokens):
+        raise ValueError(f"{name} must be a non-empty int array [B, L]; got shape "
+                         f"{np.shape(tokens)}")
 
 
 def _empty_cache(model, *args, method=None):
@@ -16,15 +54,33 @@ def _empty_cache(model, *args, method=None):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_len", "bos_id", "eos_id", "pad_id"))
 def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len: int,
                   bos_id: int, eos_id: int, pad_id: int = 0):
     """Greedy decoding: `src [B, S]` -> `[B, max_len]` target tokens (without BOS).
 
     Each sequence stops at its EOS (kept; pad after it); the loop stops when every
     sequence has, or at max_len. The encoder runs once; the decoder runs one token a
-    step on the KV cache.
+    step on the KV cache. max_len must be at least 1 (and at most the model's max_len
+    with learned positions); the ids must be in the target vocabulary; src tokens and
+    src_lengths (each in [1, S]) are checked when they are known, outside jit.
     """
+    config = model.config
+    _check_batch("src", src)
+    check_tokens(config, "src", src, config.src_vocab_size)
+    _check_count("max_len", max_len, 1)
+    if config.positional == "learned" and max_len > config.max_len:
+        raise ValueError(f"max_len={max_len} exceeds the model's max_len={config.max_len} "
+                         f"learned positions")
+    for name, value in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
+        _check_id(name, value, config.tgt_vocab_size)
+    _check_lengths("src_lengths", src_lengths, np.shape(src)[0], np.shape(src)[1])
+    return _greedy_decode(model, params, src, src_lengths, max_len=int(max_len),
+                          bos_id=int(bos_id), eos_id=int(eos_id), pad_id=int(pad_id))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_len", "bos_id", "eos_id", "pad_id"))
+def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int,
+                   bos_id: int, eos_id: int, pad_id: int):
     b = src.shape[0]
     memory = model.apply({"params": params}, src, src_lengths, method=Transformer.encode)
     decoder = model.clone(decode=True)
@@ -56,7 +112,6 @@ def _full_length_decoder(module, memory, tgt):
     return module.decode_logits(tgt, memory)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature"))
 def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new_tokens: int,
              temperature: float = 0.0, rng=None):
     """Continue `prompt [B, P]` by max_new_tokens: `[B, P + max_new_tokens]`.
@@ -66,13 +121,33 @@ def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new
     with `rng`. Prompts of different lengths are left-padded: with prompt_lengths int
     `[B]`, example b's prompt is its last prompt_lengths[b] tokens; its positions start
     at 0 there and nothing attends to the padding before it.
+
+    max_new_tokens is an int >= 0 (P + max_new_tokens at most the model's max_len with
+    learned positions), temperature a finite float >= 0; the prompt's tokens and
+    prompt_lengths (each in [1, P]) are checked when they are known, outside jit.
     """
-    b, p = prompt.shape
+    config = model.config
+    _check_batch("prompt", prompt)
+    check_tokens(config, "prompt", prompt, config.vocab_size)
+    b, p = np.shape(prompt)
+    _check_count("max_new_tokens", max_new_tokens, 0)
+    if config.positional == "learned" and p + max_new_tokens > config.max_len:
+        raise ValueError(f"prompt length {p} + max_new_tokens={max_new_tokens} exceeds the "
+                         f"model's max_len={config.max_len} learned positions")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0; got {temperature!r}")
     if temperature > 0.0 and rng is None:
         raise ValueError(f"temperature={temperature} samples and needs an rng; got None")
-    if prompt_lengths is not None and jnp.shape(prompt_lengths) != (b,):
-        raise ValueError(f"prompt_lengths must have shape [B] = ({b},) for prompt {prompt.shape}; "
-                         f"got {jnp.shape(prompt_lengths)}")
+    _check_lengths("prompt_lengths", prompt_lengths, b, p)
+    return _generate(model, params, prompt, prompt_lengths, max_new_tokens=int(max_new_tokens),
+                     temperature=float(temperature), rng=rng)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature"))
+def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tokens: int,
+              temperature: float, rng):
+    b, p = prompt.shape
     rng = jax.random.key(0) if rng is None else rng
     decoder = model.clone(decode=True)
     total = p + max_new_tokens

@@ -8,15 +8,20 @@ import dataclasses
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attnjax import masks, scores
+from attnjax.attention import IMPLEMENTATIONS as ENGINE_IMPLEMENTATIONS
 from attnjax.nn.attention import MultiHeadAttention
 from attnjax.nn.layers import FeedForward, PositionalEncoding
 
 POSITIONAL = ("sinusoidal", "learned", "none")
 ACTIVATIONS = ("relu", "gelu")
 DTYPES = ("float32", "bfloat16", "float16")
+# "xla" is jax.nn's name, which dot_product_attention takes for its own default.
+IMPLEMENTATIONS = (None, *ENGINE_IMPLEMENTATIONS, "xla")
 
 
 def _check_config(config) -> None:
@@ -40,7 +45,7 @@ def _check_config(config) -> None:
     if config.attention_soft_cap is not None:
         scores.soft_cap(config.attention_soft_cap)  # checks the cap
     for name, allowed in (("positional", POSITIONAL), ("activation", ACTIVATIONS),
-                          ("dtype", DTYPES)):
+                          ("dtype", DTYPES), ("implementation", IMPLEMENTATIONS)):
         if getattr(config, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}; got {getattr(config, name)!r}")
 
@@ -207,6 +212,34 @@ def _embedding_init(config):
     return nn.initializers.normal(config.d_model ** -0.5)
 
 
+def check_tokens(config, name: str, tokens, vocab_size: int, positions=None) -> None:
+    """Integer token ids `[B, L]`, and the positions a learned table can encode.
+
+    Known values (outside jit) are checked: every id in [0, vocab_size), every position
+    in [0, max_len). Traced ones cannot be: there an id outside the vocabulary embeds as
+    zeros (`_Embed`) and a position past the table reads its last row."""
+    dtype = tokens.dtype if hasattr(tokens, "dtype") else np.asarray(tokens).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integer token ids; got dtype {dtype}")
+    if not isinstance(tokens, jax.core.Tracer):
+        ids = np.asarray(tokens)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            raise ValueError(f"{name} must hold token ids in [0, {vocab_size}) (the "
+                             f"vocabulary); got {bad}")
+    if config.positional != "learned":
+        return
+    if positions is None and np.shape(tokens)[-1] > config.max_len:
+        raise ValueError(f"{name} has {np.shape(tokens)[-1]} tokens, more than the "
+                         f"max_len={config.max_len} learned positions")
+    if positions is not None and not isinstance(positions, jax.core.Tracer):
+        at = np.asarray(positions)
+        if at.size and (at.min() < 0 or at.max() >= config.max_len):
+            bad = at.min() if at.min() < 0 else at.max()
+            raise ValueError(f"the positions of {name} must lie in [0, {config.max_len}) "
+                             f"(the learned positions); got {bad}")
+
+
 class _Embed(nn.Module):
     """Token embedding scaled by √D, then positions, then dropout."""
 
@@ -218,8 +251,13 @@ class _Embed(nn.Module):
     def __call__(self, tokens, positions=None, *, deterministic=True, embed=None):
         embed = embed or nn.Embed(self.vocab_size, self.config.d_model,
                                   embedding_init=_embedding_init(self.config), name="tokens")
+        # [B, L]: flax's lookup fills an out-of-range id's row with NaN (and wraps -1 to
+        # the last row); under jit, where ids cannot be checked, such a token embeds as
+        # zeros and the model sees only its position.
+        known = (tokens >= 0) & (tokens < self.vocab_size)
         # [B, L, D]
-        x = embed(tokens) * jnp.sqrt(jnp.float32(self.config.d_model))
+        x = jnp.where(known[..., None], embed(jnp.where(known, tokens, 0)), 0.0)
+        x = x * jnp.sqrt(jnp.float32(self.config.d_model))
         x = PositionalEncoding(self.config.max_len, self.config.positional, self.decode,
                                name="positions")(x, positions)
         x = nn.Dropout(self.config.dropout_rate)(x, deterministic=deterministic)
@@ -261,6 +299,7 @@ class Transformer(nn.Module):
     def encode(self, src, src_lengths=None, *, src_segment_ids=None, src_positions=None,
                deterministic=True, sow_weights=False):
         """`[B, S]` tokens -> `[B, S, D]` memory."""
+        check_tokens(self.config, "src", src, self.config.src_vocab_size, src_positions)
         mask = masks.everything()
         if src_lengths is not None:
             mask = mask & masks.lengths(query=src_lengths, key=src_lengths)
@@ -275,6 +314,8 @@ class Transformer(nn.Module):
                       sow_weights=False):
         """`[B, T]` target tokens and `[B, S, D]` memory -> `[B, T, V_tgt]` logits."""
         _both("tgt_segment_ids", tgt_segment_ids, "src_segment_ids", src_segment_ids)
+        check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size,
+                      None if self.decode else tgt_positions)
         mask, memory_mask = masks.everything(), masks.everything()
         if src_lengths is not None:
             memory_mask = masks.lengths(key=src_lengths)
@@ -314,6 +355,7 @@ class DecoderOnly(nn.Module):
     def __call__(self, tokens, *, segment_ids=None, positions=None, mask=None,
                  deterministic=True, sow_weights=False):
         c = self.config
+        check_tokens(c, "tokens", tokens, c.vocab_size, None if self.decode else positions)
         visible = masks.everything()
         if mask is not None:
             visible = mask if isinstance(mask, masks.Mask) else masks.from_array(mask)

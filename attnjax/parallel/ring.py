@@ -274,8 +274,8 @@ def ring_attention(
     mask = _ring_mask(mask, is_causal)
     b, t, n, h = query.shape
     s = key.shape[1]
+    p = _axis_size(axis_name)
     if positions is None:
-        p = lax.axis_size(axis_name)
         me = lax.axis_index(axis_name)
         positions = (_shard_positions(me, p, t, layout) + p * (s - t),
                      _shard_positions(me, p, s, layout))
@@ -296,6 +296,12 @@ def _check(query, key, value, layout: str) -> None:
     shapes = (f"query {_checks.shape_str(query.shape)} [B, T, N, H], key "
               f"{_checks.shape_str(key.shape)} [B, S, K, H], value "
               f"{_checks.shape_str(value.shape)} [B, S, K, V]")
+    # as dot_product_attention: an empty axis leaves nothing to attend with
+    sizes = dict(zip("BTNH", query.shape)) | dict(zip("SK", key.shape[1:3]))
+    if 0 in sizes.values():
+        raise ValueError(f"query, key and value must not be empty; got "
+                         f"{', '.join(f'{a}=0' for a, size in sizes.items() if size == 0)} in "
+                         f"{shapes}")
     if key.shape[:3] != value.shape[:3]:
         raise ValueError(f"key and value must agree on B, S and K; got {shapes}")
     if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
@@ -306,6 +312,16 @@ def _check(query, key, value, layout: str) -> None:
     if layout == "zigzag" and (query.shape[1] % 2 or key.shape[1] % 2):
         raise ValueError(f"the zigzag layout splits each shard in two halves; got shard "
                          f"lengths T={query.shape[1]}, S={key.shape[1]}")
+
+
+def _axis_size(axis_name) -> int:
+    """The size of the shard_map axis the sequence is sharded over, which must be bound."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of an enclosing "
+                         f"jax.shard_map: call ring_attention inside shard_map over a mesh "
+                         f"with that axis (or ring_self_attention with the mesh)") from None
 
 
 def _ring_mask(mask, is_causal: bool) -> Mask:
@@ -394,6 +410,17 @@ def ring_self_attention(
     """
     _checks.check_rank("query", query, (4,), "[B, T, N, H]")
     b, t = query.shape[:2]
+    for name, x in (("key", key), ("value", value)):
+        _checks.check_rank(name, x, (4,), "[B, T, K, H|V]")
+        if x.shape[:2] != (b, t):
+            raise ValueError(f"self-attention needs {name} of the query's [B, T] = "
+                             f"{_checks.shape_str((b, t))}; got {name} "
+                             f"{_checks.shape_str(x.shape)} for query "
+                             f"{_checks.shape_str(query.shape)}")
+    for name, given in (("axis", axis), ("batch_axis", batch_axis), ("head_axis", head_axis)):
+        if given is not None and given not in mesh.shape:
+            raise ValueError(f"{name}={given!r} is not an axis of the mesh; its axes are "
+                             f"{tuple(mesh.axis_names)}")
     mask = _array_free(mask)
     per_position = {}
     for name, x in (("segment_ids", segment_ids), ("positions", positions)):

@@ -1,56 +1,174 @@
-"""Orbax checkpoints of a run: the latest few, and the best by exact-match accuracy.
+"""Orbax checkpoints of a run: the latest few, and the best by exact-match accuracy, each
+with a checksum manifest.
 
 Each checkpoint holds the `TrainState` and a small JSON record (the metrics of a
-partly logged window, the best score so far). Orbax writes a step to a temporary
-directory and renames it when complete, so a process killed while saving leaves the
-previous checkpoints intact and the unfinished one invisible.
+partly logged window, the best score so far). Saving is synchronous: when `save`
+returns, the step is on disk, so the step a message names is the step a killed process
+resumes from. Orbax writes a step to a temporary directory and renames it when complete
+(a process killed while saving leaves the step invisible, and orbax removes the leftover
+at the next start); then `MANIFEST`, the size and SHA-256 of every file of the step, is
+written beside them. A step is intact when its files match its manifest: one without a
+manifest was cut short, one whose files differ was damaged. `restore_latest` moves such
+steps aside to `checkpoints.damaged/`, saying so, and restores the newest intact one.
 """
 
+import hashlib
+import json
+import os
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers
 
 BEST_METRIC = "exact_match"
+MANIFEST = "manifest.json"
+DAMAGED = "checkpoints.damaged"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or an intact one does not restore."""
+
+
+def _one_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(step_dir: Path) -> dict[str, Path]:
+    """Every file of a step but its manifest, by path relative to the step."""
+    return {p.relative_to(step_dir).as_posix(): p for p in sorted(step_dir.rglob("*"))
+            if p.is_file() and p.name != MANIFEST}
+
+
+def write_manifest(step_dir: Path) -> None:
+    """The step's `MANIFEST`; atomic, so a step never has half of one."""
+    files = {name: {"size": path.stat().st_size, "sha256": _sha256(path)}
+             for name, path in _files(step_dir).items()}
+    tmp = step_dir / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / MANIFEST)
+
+
+def damage(step_dir: Path) -> str | None:
+    """What is wrong with a step's files, or None when they match its manifest."""
+    try:
+        expected = json.loads((step_dir / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return "it has no manifest: its save did not finish"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its manifest is unreadable ({_one_line(e)})"
+    found = _files(step_dir)
+    for name in sorted(expected.keys() | found.keys()):
+        if name not in found:
+            return f"{name} is missing"
+        if name not in expected:
+            return f"{name} is not in its manifest"
+        size = found[name].stat().st_size
+        if size != expected[name]["size"]:
+            return f"{name} has {size} bytes instead of {expected[name]['size']}"
+        if _sha256(found[name]) != expected[name]["sha256"]:
+            return f"{name} has other contents than were saved (checksum mismatch)"
+    return None
 
 
 class Checkpoints:
-    """`save(step, state, record, exact_match=None)` and `restore_latest(template)`."""
+    """`save(step, state, record, exact_match=None)`, `restore_latest(template, warn)`
+    and `latest_intact()`.
 
-    def __init__(self, directory: Path, keep: int):
+    primary: this process writes the manifests and moves damaged steps aside (with
+    several processes, one does; the others wait for it where it matters).
+    """
+
+    def __init__(self, directory: Path, keep: int, *, primary: bool = True):
+        self.directory = Path(directory).absolute()
+        self.primary = primary
         best = checkpoint_managers.BestN(get_metric_fn=lambda metrics: metrics[BEST_METRIC], n=1,
                                          keep_checkpoints_without_metrics=False)
         policy = checkpoint_managers.AnyPreservationPolicy(
             [checkpoint_managers.LatestN(n=keep), best])
         self.manager = ocp.CheckpointManager(
-            Path(directory).absolute(), item_names=("state", "record"),
-            options=ocp.CheckpointManagerOptions(preservation_policy=policy))
+            self.directory, item_names=("state", "record"),
+            options=ocp.CheckpointManagerOptions(
+                preservation_policy=policy, enable_async_checkpointing=False,
+                cleanup_tmp_directories=True))
+
+    def _step_dir(self, step: int) -> Path:
+        # orbax's default step names: the step number itself
+        return self.directory / str(step)
 
     def save(self, step: int, state, record: dict, exact_match: float | None = None) -> None:
-        """Starts writing step (in the background); the arrays are copied first."""
-        self.manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                          record=ocp.args.JsonSave(record)),
-            metrics=None if exact_match is None else {BEST_METRIC: exact_match}, force=True)
+        """Writes step completely, manifest included, before returning."""
+        try:
+            self.manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                              record=ocp.args.JsonSave(record)),
+                metrics=None if exact_match is None else {BEST_METRIC: exact_match}, force=True)
+            if self.primary:
+                write_manifest(self._step_dir(step))
+        except Exception as e:  # whatever orbax or the file system raises: said in one line
+            raise CheckpointError(f"cannot save the checkpoint of step {step} in "
+                                  f"{self.directory}: {_one_line(e)}") from None
 
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+    def latest_intact(self) -> int | None:
+        """The newest step whose files match its manifest."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            if damage(self._step_dir(step)) is None:
+                return step
+        return None
 
-    def restore_latest(self, template):
-        """`(step, state, record)` of the latest checkpoint, or None when there is none.
+    def _set_aside(self, warn) -> None:
+        """Moves damaged steps, newest first, until an intact one (or none) is left."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            problem = damage(self._step_dir(step))
+            if problem is None:
+                return
+            target = self.directory.parent / DAMAGED / str(step)
+            copies = 1
+            while target.exists():
+                copies += 1
+                target = target.with_name(f"{step}.{copies}")
+            target.parent.mkdir(exist_ok=True)
+            os.replace(self._step_dir(step), target)
+            warn(f"checkpoint step {step} is damaged ({problem}); moved it to {target} and "
+                 f"skipped it")
+
+    def restore_latest(self, template, warn=print):
+        """`(step, state, record)` of the newest intact checkpoint, or None when there is
+        none; damaged or partial steps on the way are moved aside and reported to warn.
 
         template is a state of the right structure (shapes and dtypes are read from it).
         """
+        if self.primary:
+            self._set_aside(warn)
+        if jax.process_count() > 1:  # the others restore once the damaged steps are gone
+            multihost_utils.sync_global_devices("attnjax checkpoints verified")
+        self.manager.reload()
         step = self.manager.latest_step()
         if step is None:
             return None
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()))
+        except Exception as e:  # the files are as saved: they belong to another model
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} is intact but "
+                                  f"does not restore into this run's model ({_one_line(e)})"
+                                  ) from None
         return step, restored["state"], restored["record"]
 
     def close(self) -> None:
-        """Waits for the last save to be complete on disk."""
         self.manager.wait_until_finished()
         self.manager.close()

@@ -6,15 +6,20 @@
     python train_toy.py --mesh data=2,model=2            # 4 devices: data and heads split
     python train_toy.py --coordinator 127.0.0.1:1234 --num-processes 2 --process-id 0
 
-Rerunning the same command in the same workdir resumes from the latest checkpoint and
-ends with the metrics an uninterrupted run has. Exit status: 0 done, 1 the loss became
-NaN/inf, 2 a bad config or command line, 130 interrupted (after saving a checkpoint).
+Rerunning the same command in the same workdir resumes from the latest intact
+checkpoint and ends with the metrics an uninterrupted run has. One run at a time holds a
+workdir. Exit status: 0 done; 1 the run stopped (the loss became NaN/inf, or a file
+could not be written); 2 a bad config or command line, or a workdir that cannot be
+used; 130 or 143 interrupted by SIGINT or SIGTERM (saying what was saved).
 """
 
 import argparse
 import dataclasses
+import fcntl
+import functools
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -30,7 +35,7 @@ from attnjax.nn import DecoderOnly, attention_maps
 from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import make_task
 from attnjax.toy import train as training
-from attnjax.toy.checkpoints import Checkpoints
+from attnjax.toy.checkpoints import DAMAGED, CheckpointError, Checkpoints
 from attnjax.toy.config import Config, ConfigError, dump_config, load_config
 from attnjax.toy.report import MetricsLog, Progress, plot_attention, plot_curves, write_samples
 from attnjax.toy.sequences import DecoderOnlyFormat
@@ -39,8 +44,28 @@ from attnjax.toy.tasks import BOS, EOS
 DEFAULT_CONFIG = Path("configs/copy.yaml")
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss stopped being finite; the last good checkpoint is kept."""
+# What a run leaves in its workdir; --force-new deletes these and nothing else.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.txt", "attention.png", "curves.png",
+             "checkpoints", DAMAGED)
+LOCK = ".lock"
+# What an interrupted run says when it stops before its first step.
+BEFORE_TRAINING = "before the first step; this run saved nothing"
+
+
+class RunFailed(RuntimeError):
+    """The run stopped before its end (exit status 1); the message says what is kept."""
+
+
+class TrainingDiverged(RunFailed):
+    """The loss or the parameters stopped being finite; the last good checkpoint is kept."""
+
+
+class Interrupted(Exception):
+    """A SIGINT or SIGTERM honoured at a safe point; the message says what was saved."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_status = 128 + signum
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -54,19 +79,83 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def _check_workdir_config(workdir: Path, config: Config) -> None:
-    """A workdir with checkpoints belongs to one config; resuming with another is an error.
-    A key the saved config lacks (written before the key existed) has its default."""
+    """A workdir holds one run, of one config (seed included): continuing it with
+    another is an error. A key the saved config lacks (written before the key existed)
+    has its default."""
     saved_path = workdir / "config.yaml"
-    if not saved_path.exists() or not (workdir / "checkpoints").exists():
+    if not saved_path.exists():
         return
-    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+    advice = "use another --workdir, or --force-new to delete that run and start anew"
+    try:
+        saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
+        if not isinstance(saved, dict):
+            raise ValueError(f"a {type(saved).__name__}, not a mapping")
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"{saved_path} is unreadable ({str(e).splitlines()[0]}); "
+                          f"{advice}") from None
+    saved = _flatten(saved)
     current = _flatten(dataclasses.asdict(config))
     default = _flatten(dataclasses.asdict(Config()))
     differ = sorted(k for k in saved.keys() | current.keys()
                     if saved.get(k, default.get(k)) != current.get(k))
     if differ:
+        values = "; ".join(f"{k}={saved.get(k, default.get(k))!r} there, {current.get(k)!r} "
+                           f"here" for k in differ)
         raise ConfigError(f"{workdir} holds a run with another config (it differs in "
-                          f"{', '.join(differ)}); use another --workdir or delete that one")
+                          f"{', '.join(differ)}): {values}; {advice}")
+
+
+def _lock_workdir(workdir: Path) -> int:
+    """An exclusive lock on the workdir (released by the OS when the process ends, however
+    it ends); a second run on the workdir is refused, naming the holder. Returns the
+    lock's file descriptor, to close when the run is over."""
+    fd = os.open(workdir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(f"{workdir} is in use by another run (pid {holder}); wait for it "
+                          f"to end or use another --workdir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers (other processes) see the old file or the new one, never half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _claim_workdir(workdir: Path, config: Config, force_new: bool) -> int | None:
+    """Makes, locks and checks the workdir of a run; the lock's descriptor, or None in a
+    process other than the first (which holds the lock for all)."""
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"--workdir {workdir} is a file, not a directory")
+    primary = jax.process_index() == 0
+    lock = None
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        if primary:
+            lock = _lock_workdir(workdir)
+            if force_new:
+                for name in RUN_FILES:
+                    path = workdir / name
+                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        _check_workdir_config(workdir, config)
+        if primary:
+            _write_atomically(workdir / "config.yaml", dump_config(config))
+    except OSError as e:
+        if lock is not None:
+            os.close(lock)
+        raise ConfigError(f"cannot use --workdir {workdir}: {e}") from None
+    except ConfigError:
+        if lock is not None:
+            os.close(lock)
+        raise
+    return lock
 
 
 class _Window:
@@ -79,19 +168,20 @@ class _Window:
     def add(self, metrics) -> None:
         self.pending.append(metrics)
 
-    def fetch(self) -> list[dict]:
+    def fetch(self, step: int) -> list[dict]:
+        """The metrics of the window so far, which ends at step; NaN/inf raises."""
         for metrics in jax.device_get(self.pending):
             self.fetched.append({k: float(v) for k, v in metrics.items()})
         self.pending = []
+        bad = [i for i, m in enumerate(self.fetched) if not math.isfinite(m["loss"])]
+        if bad:
+            raise TrainingDiverged(f"the loss is {self.fetched[bad[0]]['loss']} at step "
+                                   f"{step - len(self.fetched) + bad[0] + 1}")
         return self.fetched
 
     def close(self, step: int) -> dict:
         """The log record of the window ending at step; NaN/inf raises."""
-        steps = self.fetch()
-        bad = [i for i, m in enumerate(steps) if not math.isfinite(m["loss"])]
-        if bad:
-            raise TrainingDiverged(f"the loss is {steps[bad[0]]['loss']} at step "
-                                   f"{step - len(steps) + bad[0] + 1}")
+        steps = self.fetch(step)
         elapsed = time.perf_counter() - self.start
         record = {"step": step,
                   "loss": float(np.mean([m["loss"] for m in steps])),
@@ -103,32 +193,50 @@ class _Window:
         return record
 
 
-class _StopRequests:
-    """Turns SIGINT/SIGTERM into a request the loop honours after the current step (it
-    saves a checkpoint first); a second signal interrupts at once."""
+class StopRequests:
+    """SIGINT and SIGTERM as requests that the run honours at its next safe point: after
+    the step in progress, which it checkpoints first, or between the phases of start-up
+    and of the end (`stop_if_requested`). Nothing is cut short in the middle of a
+    compilation or a save, where Python cannot be left safely.
+
+    A second signal ends the process at once, saying which checkpoint is the last
+    complete one (`saved`). early: signals received before this was made (train_toy.py
+    catches them while the libraries load).
+    """
+
+    def __init__(self, early=()):
+        self.signum = early[0] if early else None
+        self.saved = None
+        self._previous = {}
 
     def __enter__(self):
-        self.requested = False
-        self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._request)
         return self
 
-    def _request(self, sig, frame):
-        self.requested = True
-        signal.signal(sig, self._previous[sig])
+    def _request(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            return
+        saved = ("this run saved no checkpoint" if self.saved is None else
+                 f"the last complete checkpoint is step {self.saved}")
+        os.write(2, f"interrupted again ({signal.Signals(signum).name}): stopped at once; "
+                    f"{saved}\n".encode())
+        # Unwinding from here could stop a save or a compilation halfway; the OS frees
+        # all, and the next run ignores a step that was not complete.
+        os._exit(128 + signum)
+
+    def stop_if_requested(self, when: str) -> None:
+        """Raises Interrupted if a signal came; when: at which point, and what is saved."""
+        if self.signum is not None:
+            raise Interrupted(self.signum, f"interrupted ({signal.Signals(self.signum).name}) "
+                                           f"{when}")
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Readers (other processes) see the old file or the new one, never half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+        self._previous = {}
 
 
 def _evaluate(model, params, task, eval_batch, config, step: int, mesh):
@@ -143,6 +251,10 @@ def _evaluate(model, params, task, eval_batch, config, step: int, mesh):
 def _plot_attention(path: Path, model, params, task, eval_batch, predictions) -> None:
     """attention.png for the first held-out example, decoding its own prediction.
     params must be whole on this host (`process_allgather`)."""
+    # Only the dense kernel materialises the weights; the parameters are the same.
+    model = type(model)(dataclasses.replace(model.config, implementation="dense"))
+    # One compiled call: the model's many small ops run eagerly take seconds.
+    apply = jax.jit(functools.partial(model.apply, sow_weights=True, mutable=["intermediates"]))
     length = int(eval_batch.src_lengths[0])
     predicted = list(predictions[0])
     predicted = predicted[: predicted.index(EOS) + 1] if EOS in predicted else predicted
@@ -151,36 +263,69 @@ def _plot_attention(path: Path, model, params, task, eval_batch, predictions) ->
         # one sequence: source, separator and the prediction but its last token
         layout = DecoderOnlyFormat(task)
         tokens = np.concatenate([layout.src_ids[eval_batch.src[:1, :length]], tgt_in], axis=1)
-        _, state = model.apply({"params": params}, tokens, sow_weights=True,
-                               mutable=["intermediates"])
+        _, state = apply({"params": params}, tokens)
         src_tokens = tgt_tokens = [layout.vocab.token(int(t)) for t in tokens[0]]
     else:
-        _, state = model.apply({"params": params}, eval_batch.src[:1, :length], tgt_in,
-                               eval_batch.src_lengths[:1], sow_weights=True,
-                               mutable=["intermediates"])
+        _, state = apply({"params": params}, eval_batch.src[:1, :length], tgt_in,
+                         eval_batch.src_lengths[:1])
         src_tokens = [task.src_vocab.token(int(t)) for t in eval_batch.src[0, :length]]
         tgt_tokens = [task.tgt_vocab.token(int(t)) for t in tgt_in[0]]
     plot_attention(path, attention_maps(state["intermediates"]), src_tokens, tgt_tokens)
 
 
-def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = None) -> dict:
+def _save(checkpoints: Checkpoints, step: int, state, record: dict,
+          exact_match: float | None = None) -> None:
+    """A checkpoint of step, refused if the parameters are not finite: every checkpoint
+    on disk is one to resume from."""
+    if not training.all_finite(state.params):
+        raise TrainingDiverged(f"the parameters are not finite after step {step}")
+    checkpoints.save(step, state, record, exact_match)
+
+
+def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = None,
+        force_new: bool = False, stop: StopRequests | None = None) -> dict:
     """Trains (or resumes) a run in workdir and writes its outputs; returns the summary.
 
     mesh: a ("data", "model") mesh (`attnjax.parallel.mesh.make_mesh`); default every
-    device on "data". With several processes, all run this; process 0 writes the files
-    and shows progress, and all write the checkpoints together.
+    device on "data". With several processes, all run this; process 0 holds the
+    workdir's lock, writes the files and shows progress, and all write the checkpoints
+    together. force_new: delete the run the workdir holds (its checkpoints, metrics and
+    outputs) and start anew, where a different config would be refused. stop: the
+    SIGINT/SIGTERM requests to honour (`main`'s); by default this call's own.
+
+    Raises ConfigError (a config or workdir that cannot be used), RunFailed (the run
+    stopped: NaN/inf, or a file that could not be written) or Interrupted; each message
+    says which checkpoint is kept.
     """
+    if stop is None:
+        with StopRequests() as own:
+            return run(config, workdir, mesh=mesh, interactive=interactive,
+                       force_new=force_new, stop=own)
     began = time.perf_counter()
     workdir = Path(workdir)
     mesh = mesh_lib.make_mesh() if mesh is None else mesh
     if config.batch_size % mesh.shape["data"]:
         raise ConfigError(f"batch_size={config.batch_size} must be divisible by the mesh's "
                           f"data axis ({mesh.shape['data']} devices)")
+    if config.model.implementation == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"model.implementation=cudnn needs a GPU; this run has "
+                          f"{jax.default_backend()}")
+    stop.stop_if_requested(BEFORE_TRAINING)
+    lock = _claim_workdir(workdir, config, force_new)
+    try:
+        return _train(config, workdir, mesh, interactive, stop, began)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
+           began: float) -> dict:
     primary = jax.process_index() == 0
-    _check_workdir_config(workdir, config)
-    workdir.mkdir(parents=True, exist_ok=True)
-    if primary:
-        _write_atomically(workdir / "config.yaml", dump_config(config))
+
+    def warn(message: str) -> None:
+        if primary:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     task = make_task(config.task)
     model = training.make_model(config, task)
@@ -190,76 +335,114 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
         state = training.init_state(model, optimizer, task, config.seed, mesh)
     except ValueError as e:  # a model that the mesh cannot split
         raise ConfigError(str(e)) from None
+    stop.stop_if_requested(BEFORE_TRAINING)
     train_step = training.make_train_step(model, optimizer, config.optim, config.steps,
                                           config.seed, state, mesh)
     eval_batch = training.eval_set(task, config)
 
-    checkpoints = Checkpoints(workdir / "checkpoints", config.keep_checkpoints)
-    restored = checkpoints.restore_latest(state)
-    start, saved = (0, {}) if restored is None else (restored[0], restored[2])
-    if restored is not None:
-        state = restored[1]
-    metrics = MetricsLog(workdir / "metrics.jsonl", start, enabled=primary)
-    window = _Window(saved.get("window", []))
-    best = saved.get("best", {"exact_match": -1.0, "step": None})
-    progress = Progress(config.steps, start, interactive, enabled=primary)
-    if start:
-        progress.message(f"resuming {workdir} from step {start}")
-
-    eval_record, predictions = None, None
     try:
-        with _StopRequests() as stop:
-            for step in range(start + 1, config.steps + 1):
-                state, step_metrics = train_step(
-                    state, training.train_batch(task, config, step - 1, mesh))
-                window.add(step_metrics)
-                progress.advance()
-                last = step == config.steps
-                if step % config.log_every == 0 or last:
-                    record = window.close(step)
-                    record["elapsed_s"] = time.perf_counter() - began
-                    metrics.write(record)
-                    progress.log(record)
-                evaluate = step % config.eval_every == 0 or last
-                if evaluate:
-                    eval_record, predictions = _evaluate(model, state.params, task, eval_batch,
-                                                         config, step, mesh)
-                    metrics.write(eval_record)
-                    if primary:
-                        write_samples(workdir / "samples.txt", task, eval_batch, predictions,
-                                      vocab=output_vocab)
-                    progress.message(
-                        f"step {step}: held-out exact match "
-                        f"{eval_record['eval_exact_match']:.4f}, token accuracy "
-                        f"{eval_record['eval_token_accuracy']:.4f}")
-                    if eval_record["eval_exact_match"] > best["exact_match"]:
-                        best = {"exact_match": eval_record["eval_exact_match"], "step": step}
-                if evaluate or step % config.checkpoint_every == 0:
-                    checkpoints.save(step, state, {"window": [], "best": best},
-                                     eval_record["eval_exact_match"] if evaluate else None)
-                    window.start = time.perf_counter()
-                elif stop.requested:
-                    checkpoints.save(step, state, {"window": window.fetch(), "best": best})
-                if stop.requested:
-                    raise KeyboardInterrupt
+        checkpoints = Checkpoints(workdir / "checkpoints", config.keep_checkpoints,
+                                  primary=primary)
+    except OSError as e:
+        raise RunFailed(f"cannot open the checkpoints of {workdir}: {e}") from None
+    metrics = progress = None
+    step = 0
+
+    def kept() -> str:
+        latest = checkpoints.latest_intact()
+        return (f"step {latest} in {checkpoints.directory}" if latest is not None else
+                "none")
+
+    try:
+        try:
+            restored = checkpoints.restore_latest(state, warn)
+        except CheckpointError as e:
+            raise ConfigError(f"{e}; use another --workdir, or --force-new to delete that "
+                              f"run and start anew") from None
+        start, saved = (0, {}) if restored is None else (restored[0], restored[2])
+        if restored is not None:
+            state = restored[1]
+            stop.saved = start
+        metrics = MetricsLog(workdir / "metrics.jsonl", start, enabled=primary)
+        window = _Window(saved.get("window", []))
+        best = saved.get("best", {"exact_match": -1.0, "step": None})
+        progress = Progress(config.steps, start, interactive, enabled=primary)
+        if start:
+            progress.message(f"resuming {workdir} from step {start}")
+            stop.stop_if_requested(f"before training resumed from step {start}; this run "
+                                   f"saved nothing new: rerun the same command to resume")
+        else:
+            stop.stop_if_requested(BEFORE_TRAINING)
+
+        eval_record, predictions = None, None
+        for step in range(start + 1, config.steps + 1):
+            state, step_metrics = train_step(
+                state, training.train_batch(task, config, step - 1, mesh))
+            window.add(step_metrics)
+            progress.advance()
+            last = step == config.steps
+            if step % config.log_every == 0 or last:
+                record = window.close(step)
+                record["elapsed_s"] = time.perf_counter() - began
+                metrics.write(record)
+                progress.log(record)
+            evaluate = step % config.eval_every == 0 or last
+            if evaluate:
+                eval_record, predictions = _evaluate(model, state.params, task, eval_batch,
+                                                     config, step, mesh)
+                metrics.write(eval_record)
+                if primary:
+                    write_samples(workdir / "samples.txt", task, eval_batch, predictions,
+                                  vocab=output_vocab)
+                progress.message(
+                    f"step {step}: held-out exact match "
+                    f"{eval_record['eval_exact_match']:.4f}, token accuracy "
+                    f"{eval_record['eval_token_accuracy']:.4f}")
+                if eval_record["eval_exact_match"] > best["exact_match"]:
+                    best = {"exact_match": eval_record["eval_exact_match"], "step": step}
+            if evaluate or step % config.checkpoint_every == 0:
+                # on a log step: the window is empty
+                _save(checkpoints, step, state, {"window": [], "best": best},
+                      eval_record["eval_exact_match"] if evaluate else None)
+            elif stop.signum is not None:
+                _save(checkpoints, step, state, {"window": window.fetch(step), "best": best})
+            else:
+                continue
+            stop.saved = step
+            window.start = time.perf_counter()   # the save's time is not training's
+            stop.stop_if_requested(f"at step {step}; saved a checkpoint of step {step} in "
+                                   f"{checkpoints.directory}: rerun the same command to "
+                                   f"resume")
     except TrainingDiverged as e:
-        latest = checkpoints.latest_step()
-        kept = f"step {latest} in {workdir / 'checkpoints'}" if latest else "none yet"
-        raise TrainingDiverged(f"{e}; training stopped. Last good checkpoint: {kept}") from None
+        raise TrainingDiverged(f"{e}; training stopped. Last good checkpoint: "
+                               f"{kept()}") from None
+    except (OSError, CheckpointError) as e:
+        raise RunFailed(f"{e}; training stopped at step {step}. Last good checkpoint: "
+                        f"{kept()}") from None
     finally:
         checkpoints.close()
-        progress.close()
-        metrics.close()
+        for closing in (progress, metrics):
+            if closing is not None:
+                closing.close()
 
-    if eval_record is None:  # the run had already finished: evaluate for the summary
-        eval_record, predictions = _evaluate(model, state.params, task, eval_batch, config,
-                                             config.steps, mesh)
-    params = multihost_utils.process_allgather(state.params, tiled=True)  # a collective
-    if primary:
-        write_samples(workdir / "samples.txt", task, eval_batch, predictions,
-                      vocab=output_vocab)
-        plot_curves(workdir / "curves.png", metrics.records)
-        _plot_attention(workdir / "attention.png", model, params, task, eval_batch, predictions)
+    after = (f"after the last step (checkpointed as step {config.steps}); samples.txt and "
+             f"the plots may be missing: rerun the same command to write them")
+    stop.stop_if_requested(after)
+    try:
+        if eval_record is None:  # the run had already finished: evaluate for the summary
+            eval_record, predictions = _evaluate(model, state.params, task, eval_batch,
+                                                 config, config.steps, mesh)
+        params = multihost_utils.process_allgather(state.params, tiled=True)  # a collective
+        if primary:
+            write_samples(workdir / "samples.txt", task, eval_batch, predictions,
+                          vocab=output_vocab)
+            plot_curves(workdir / "curves.png", metrics.records)
+            stop.stop_if_requested(after)
+            _plot_attention(workdir / "attention.png", model, params, task, eval_batch,
+                            predictions)
+    except OSError as e:
+        raise RunFailed(f"{e}; training is complete (checkpointed as step {config.steps}) "
+                        f"but its outputs are not all written") from None
     return {"task": config.task.name, "steps": config.steps,
             "exact_match": eval_record["eval_exact_match"],
             "token_accuracy": eval_record["eval_token_accuracy"],
@@ -278,6 +461,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where outputs and checkpoints go (default runs/<task>)")
     parser.add_argument("--seed", type=int, default=None, help="overrides the config's seed")
+    parser.add_argument("--force-new", action="store_true",
+                        help="delete the run the workdir holds (checkpoints, metrics, "
+                        "outputs) and start anew, whatever its config")
     parser.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
                         help="device mesh over data and model, e.g. data=2,model=2 (default: "
                         "every device on data); results match a one-device run")
@@ -307,29 +493,32 @@ def _default_config() -> Path:
     return Path(__file__).resolve().parents[2] / DEFAULT_CONFIG
 
 
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    overrides = args.overrides + ([f"seed={args.seed}"] if args.seed is not None else [])
-    try:
-        config = load_config(args.config or _default_config(), overrides)
-        workdir = args.workdir or Path("runs") / config.task.name
-        _initialize_distributed(args)
+def main(argv=None, *, early_signals=()) -> int:
+    """The command line; returns the exit status. early_signals: SIGINT/SIGTERM numbers
+    received before main ran (train_toy.py catches them while the libraries load)."""
+    with StopRequests(early_signals) as stop:
+        args = _parser().parse_args(argv)
+        overrides = args.overrides + ([f"seed={args.seed}"] if args.seed is not None else [])
         try:
-            mesh = mesh_lib.make_mesh(None if args.mesh is None else
-                                      mesh_lib.parse_mesh(args.mesh))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        summary = run(config, workdir, mesh=mesh)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; the last step is checkpointed: rerun the same command to resume",
-              file=sys.stderr)
-        return 130
+            config = load_config(args.config or _default_config(), overrides)
+            workdir = args.workdir or Path("runs") / config.task.name
+            stop.stop_if_requested(BEFORE_TRAINING)
+            _initialize_distributed(args)
+            try:
+                mesh = mesh_lib.make_mesh(None if args.mesh is None else
+                                          mesh_lib.parse_mesh(args.mesh))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            summary = run(config, workdir, mesh=mesh, force_new=args.force_new, stop=stop)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except RunFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except Interrupted as e:
+            print(e, file=sys.stderr)
+            return e.exit_status
     if jax.process_index():
         return 0
     print(f"{summary['task']}: held-out exact match {summary['exact_match']:.2%} and token "

@@ -2,11 +2,14 @@
 
 A config file has the sections of `Config` (task, model, data, optim) and its top-level
 fields; `load_config(path, overrides)` reads it with `yaml.safe_load`, applies
-`key.sub=value` overrides, and checks every key and type. Any mistake is a
-`ConfigError` whose one-line message names the key and lists the valid ones.
+`key.sub=value` overrides, and checks every key, type and range before anything is
+built from it. Any mistake is a `ConfigError` whose one-line message names the key,
+the value and what is allowed.
 """
 
 import dataclasses
+import math
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -15,14 +18,37 @@ import yaml
 
 from attnjax.nn.models import BlockConfig
 from attnjax.toy.dates import DatesTask
+from attnjax.toy.tasks import MAX_SYMBOLS
 
 TASKS = ("copy", "reverse", "sort", "dates")
 SCHEDULES = ("cosine", "inverse_sqrt")
 KINDS = ("encoder_decoder", "decoder_only")
 
 
+# The step counter, the seeds of the data streams and `jax.random.key` are 32-bit.
+INT32_MAX = 2**31 - 1
+
+
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message is one line."""
+
+
+def _check_range(key: str, value, low, high, *, low_open: bool = False,
+                 high_open: bool = False) -> None:
+    """value in the interval [low, high] (open ends as asked; None: unbounded); a NaN or
+    an infinite float is never allowed."""
+    outside = isinstance(value, float) and not math.isfinite(value)
+    if low is not None:
+        outside |= value <= low if low_open else value < low
+    if high is not None:
+        outside |= value >= high if high_open else value > high
+    if outside:
+        def bound(x, unbounded):
+            return unbounded if x is None else f"{x:g}" if isinstance(x, float) else str(x)
+
+        interval = (f"{'(' if low_open or low is None else '['}{bound(low, '-inf')}, "
+                    f"{bound(high, 'inf')}{')' if high_open or high is None else ']'}")
+        raise ConfigError(f"{key} must lie in {interval}; got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,6 +60,15 @@ class TaskConfig:
     min_len: int = 1
     max_len: int = 16
     eval_size: int = 2000
+
+    def __post_init__(self):
+        if self.name not in TASKS:
+            raise ConfigError(f"task.name must be one of {TASKS}; got {self.name!r}")
+        _check_range("task.num_symbols", self.num_symbols, 2, MAX_SYMBOLS)
+        if not 1 <= self.min_len <= self.max_len:
+            raise ConfigError(f"task needs 1 <= min_len <= max_len; got min_len="
+                              f"{self.min_len}, max_len={self.max_len}")
+        _check_range("task.eval_size", self.eval_size, 1, None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,6 +100,10 @@ class DataConfig:
     pack: bool = False
     packed_len: int | None = None
 
+    def __post_init__(self):
+        if self.packed_len is not None:
+            _check_range("data.packed_len", self.packed_len, 1, None)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
@@ -79,6 +118,20 @@ class OptimConfig:
     b2: float = 0.98
     clip_norm: float = 1.0
     label_smoothing: float = 0.1
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"optim.schedule must be one of {SCHEDULES}; got "
+                              f"{self.schedule!r}")
+        _check_range("optim.learning_rate", self.learning_rate, 0.0, None, low_open=True)
+        _check_range("optim.warmup_steps", self.warmup_steps, 0, INT32_MAX)
+        _check_range("optim.end_learning_rate", self.end_learning_rate, 0.0, None)
+        _check_range("optim.weight_decay", self.weight_decay, 0.0, None)
+        # Adam's moment decays: 1 would never forget, and beyond it the moments diverge.
+        _check_range("optim.b1", self.b1, 0.0, 1.0, high_open=True)
+        _check_range("optim.b2", self.b2, 0.0, 1.0, high_open=True)
+        _check_range("optim.clip_norm", self.clip_norm, 0.0, None, low_open=True)
+        _check_range("optim.label_smoothing", self.label_smoothing, 0.0, 1.0, high_open=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,16 +156,13 @@ class Config:
                      "keep_checkpoints", "eval_batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive; got {getattr(self, name)}")
+            _check_range(name, getattr(self, name), 1, INT32_MAX)
+        _check_range("seed", self.seed, 0, INT32_MAX)
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) % self.log_every:
                 raise ConfigError(f"{name} must be a multiple of log_every={self.log_every} "
                                   f"(metrics are logged over whole windows); got "
                                   f"{getattr(self, name)}")
-        if self.task.name not in TASKS:
-            raise ConfigError(f"task.name must be one of {TASKS}; got {self.task.name!r}")
-        if not 1 <= self.task.min_len <= self.task.max_len:
-            raise ConfigError(f"task needs 1 <= min_len <= max_len; got min_len="
-                              f"{self.task.min_len}, max_len={self.task.max_len}")
         if self.model.kind not in KINDS:
             raise ConfigError(f"model.kind must be one of {KINDS}; got {self.model.kind!r}")
         src_len, tgt_len = task_lengths(self.task)
@@ -131,12 +181,6 @@ class Config:
         if packed_len is not None and packed_len < src_len + tgt_len + 1:
             raise ConfigError(f"data.packed_len={packed_len} must hold the task's longest example "
                               f"({src_len + tgt_len + 1} tokens: source, separator and target)")
-        if self.optim.schedule not in SCHEDULES:
-            raise ConfigError(f"optim.schedule must be one of {SCHEDULES}; got "
-                              f"{self.optim.schedule!r}")
-        if not 0.0 <= self.optim.label_smoothing < 1.0:
-            raise ConfigError(f"optim.label_smoothing must lie in [0, 1); got "
-                              f"{self.optim.label_smoothing}")
 
 
 def task_lengths(task: TaskConfig) -> tuple[int, int]:
@@ -170,9 +214,10 @@ def _check_type(value, kind, key: str):
 def _build(cls, data, prefix: str = ""):
     """`cls(**data)`, recursing into nested dataclasses, with every key and type checked."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping; got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping; got "
+                          f"{reprlib.repr(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise ConfigError(f"unknown key {prefix}{unknown[0]}; valid keys"
                           f"{' of ' + prefix.rstrip('.') if prefix else ''} are "
@@ -215,12 +260,19 @@ def load_config(path: str | Path | None = None, overrides=()) -> Config:
     data = {}
     if path is not None:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except OSError as e:
             raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config {path} is not UTF-8 text: byte {e.object[e.start]:#04x} "
+                              f"at offset {e.start}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config {path} is not valid YAML: "
                               f"{str(e).splitlines()[0]}") from None
+        data = {} if data is None else data
+        if not isinstance(data, dict):  # overrides need sections to go into
+            raise ConfigError(f"the config must be a mapping of sections and keys; got "
+                              f"{type(data).__name__} {reprlib.repr(data)} in {path}")
     for override in overrides:
         apply_override(data, override)
     return _build(Config, data)

@@ -22,6 +22,7 @@ SPECIALS = ("<pad>", "<bos>", "<eos>")
 HELD_OUT_ONE_IN = 10
 MIN_SPLIT = 1000
 _SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyz"
+MAX_SYMBOLS = len(_SYMBOLS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +98,8 @@ class SequenceTask:
     def __init__(self, name: str, num_symbols: int, min_len: int, max_len: int):
         if name not in ("copy", "reverse", "sort"):
             raise ValueError(f"name must be copy, reverse or sort; got {name!r}")
-        if not 2 <= num_symbols <= len(_SYMBOLS):
-            raise ValueError(f"num_symbols must lie in [2, {len(_SYMBOLS)}]; got {num_symbols}")
+        if not 2 <= num_symbols <= MAX_SYMBOLS:
+            raise ValueError(f"num_symbols must lie in [2, {MAX_SYMBOLS}]; got {num_symbols}")
         self.name, self.min_len, self.max_len = name, min_len, max_len
         self.src_vocab = self.tgt_vocab = Vocab(tuple(_SYMBOLS[:num_symbols]))
         self.src_len, self.tgt_len = max_len, max_len

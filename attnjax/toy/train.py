@@ -176,6 +176,12 @@ def make_train_step(model: Transformer | DecoderOnly, optimizer, optim, steps: i
     return train_step
 
 
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Whether every value of a tree of float arrays is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 def eval_set(task, config) -> Batch:
     """The held-out set: config.task.eval_size examples from the held-out part."""
     return task.sample(np.random.default_rng([config.seed, EVAL_STREAM]), config.task.eval_size,

@@ -1,0 +1,263 @@
+"""Hostile inputs to the functional API and the models, one table: each is a named
+ValueError/TypeError at trace time, or a documented exact result, never a silent wrong
+value, a NaN or an internal error. Sizes are distinct per axis (B 2, T 5, S 7, N 6, K 3,
+H 4, V 11)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+import attnjax
+from attnjax import masks, nn
+from attnjax.parallel import ring
+
+B, T, S, N, K, H, V = 2, 5, 7, 6, 3, 4, 11
+q = jax.random.normal(jax.random.key(0), (B, T, N, H), jnp.float32)
+k = jax.random.normal(jax.random.key(1), (B, S, K, H), jnp.float32)
+v = jax.random.normal(jax.random.key(2), (B, S, K, V), jnp.float32)
+dpa = attnjax.dot_product_attention
+LENGTHS = np.array([S, 3], np.int32)   # example 1's keys 3.. are padding
+
+
+@pytest.fixture(autouse=True)
+def _own_checks_only():
+    """attnjax's own checks, as a user without runtime type checks meets them."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def _zeros(*shape):
+    return jnp.zeros(shape, jnp.float32)
+
+
+@functools.cache
+def _decoder(positional="learned"):
+    model = nn.DecoderOnly(nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2,
+                                                d_ff=24, max_len=8, positional=positional))
+    return model, jax.jit(model.init)(jax.random.key(5), jnp.ones((1, 4), jnp.int32))["params"]
+
+
+@functools.cache
+def _transformer():
+    model = nn.Transformer(nn.TransformerConfig(src_vocab_size=7, tgt_vocab_size=9, d_model=16,
+                                                num_heads=2, d_ff=24, max_len=8,
+                                                positional="learned"))
+    tokens = jnp.ones((1, 3), jnp.int32)
+    return model, jax.jit(model.init)(jax.random.key(6), tokens, tokens)["params"]
+
+
+def _apply_decoder(tokens, **kw):
+    model, params = _decoder()
+    return model.apply({"params": params}, jnp.asarray(tokens, jnp.int32), **kw)
+
+
+def _generate(prompt, **kw):
+    model, params = _decoder()
+    return nn.generate(model, params, jnp.asarray(prompt, jnp.int32), **kw)
+
+
+def _greedy(**kw):
+    model, params = _transformer()
+    kw = {"max_len": 4, "bos_id": 1, "eos_id": 2} | kw
+    return nn.greedy_decode(model, params, jnp.ones((1, 3), jnp.int32), **kw)
+
+
+def _mesh():
+    return Mesh(np.asarray(jax.devices()[:4]), ("seq",))
+
+
+def _ring_in_shard_map(query, key, value, **kw):
+    spec = PartitionSpec(None, "seq", None, None)
+    return jax.shard_map(functools.partial(ring.ring_attention, **kw), mesh=_mesh(),
+                         in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(query, key, value)
+
+
+q8 = jax.random.normal(jax.random.key(7), (B, 8, 2, H), jnp.float32)
+TOKENS = np.array([[3, 4, 5, 6]], np.int32)
+
+# (id, call, exception, regex the message must match)
+MISTAKES = [
+    # scale: absurd or non-finite values are refused, not turned into NaN
+    ("scale_1e300", lambda: dpa(q, k, v, scale=1e300), ValueError,
+     r"scale must lie in \[1.18e-38, 10000\].*got 1e\+300"),
+    ("scale_tiny", lambda: dpa(q, k, v, scale=1e-300), ValueError, r"scale must lie in.*1e-300"),
+    ("scale_inf", lambda: dpa(q, k, v, scale=float("inf")), ValueError,
+     r"scale must be positive and finite; got inf"),
+    ("scale_nan", lambda: dpa(q, k, v, scale=float("nan")), ValueError,
+     r"scale must be positive and finite; got nan"),
+    ("scale_core", lambda: attnjax.attention(q[0, :, 0], k[0, :, 0], v[0, :, 0], scale=1e300),
+     ValueError, r"scale must lie in"),
+    # bias: NaN and +inf known outside jit (-inf is a mask, allowed)
+    ("bias_inf", lambda: dpa(q, k, v, bias=_zeros(B, N, T, S).at[1, 2, 3, 4].set(jnp.inf)),
+     ValueError, r"bias must be finite or -inf \(masked\); got inf at index \[1, 2, 3, 4\]"),
+    ("bias_nan", lambda: dpa(q, k, v, bias=_zeros(T, S).at[0, 6].set(jnp.nan)), ValueError,
+     r"bias must be finite or -inf \(masked\); got nan at index \[0, 6\]"),
+    # lengths, segment ids and positions that int32 cannot hold
+    ("lengths_uint32", lambda: dpa(q, k, v, key_lengths=np.array([2**32 - 1, 3], np.uint32)),
+     ValueError, r"key lengths must lie in int32's range .*got 4294967295 \(dtype uint32\)"),
+    ("lengths_int64", lambda: dpa(q, k, v, query_lengths=np.array([2**32 + 2, 3], np.int64)),
+     ValueError, r"query lengths must lie in int32's range .*got 4294967298 \(dtype int64\)"),
+    ("segments_int64", lambda: dpa(q, k, v, mask=masks.segments(
+        np.full((B, T), -2**40, np.int64), np.zeros((B, S), np.int64))), ValueError,
+     r"segment ids \(query\) must lie in int32's range .*got -1099511627776"),
+    ("positions_uint64", lambda: dpa(q, k, v, is_causal=True, positions=(
+        np.arange(T, dtype=np.uint64) + 2**63, np.arange(S, dtype=np.uint64))), ValueError,
+     r"query positions must lie in int32's range"),
+    # empty axes
+    ("empty_batch", lambda: dpa(q[:0], k[:0], v[:0]), ValueError,
+     r"query, key and value must not be empty; got B=0 in query \[0, 5, 6, 4\]"),
+    ("empty_queries", lambda: dpa(q[:, :0], k, v, implementation="chunked"), ValueError,
+     r"must not be empty; got T=0"),
+    ("empty_keys", lambda: dpa(q, k[:, :0], v[:, :0]), ValueError, r"must not be empty; got S=0"),
+    ("empty_head_dim", lambda: dpa(q[..., :0], k[..., :0], v), ValueError,
+     r"must not be empty; got H=0"),
+    ("empty_heads", lambda: dpa(q[:, :, :0], k[:, :, :0], v[:, :, :0]), ValueError,
+     r"must not be empty; got N=0, K=0"),
+    ("empty_unbatched", lambda: dpa(q[0, :0], k[0], v[0]), ValueError,
+     r"must not be empty; got T=0 in query \[0, 6, 4\] \[T, N, H\]"),
+    # token ids and learned positions, known outside jit
+    ("token_minus_one", lambda: _apply_decoder([[3, -1, 5]]), ValueError,
+     r"tokens must hold token ids in \[0, 13\) \(the vocabulary\); got -1"),
+    ("token_past_vocab", lambda: _apply_decoder([[3, 13, 5]]), ValueError,
+     r"tokens must hold token ids in \[0, 13\).*got 13"),
+    ("token_float", lambda: _apply_decoder_float(), TypeError,
+     r"tokens must hold integer token ids; got dtype float32"),
+    ("src_token", lambda: _transformer()[0].apply({"params": _transformer()[1]},
+                                                  jnp.array([[1, 7]]), jnp.array([[1]])),
+     ValueError, r"src must hold token ids in \[0, 7\)"),
+    ("tgt_token", lambda: _transformer()[0].apply({"params": _transformer()[1]},
+                                                  jnp.array([[1, 2]]), jnp.array([[9]])),
+     ValueError, r"tgt must hold token ids in \[0, 9\)"),
+    ("learned_too_long", lambda: _apply_decoder(np.ones((1, 9), np.int32)), ValueError,
+     r"tokens has 9 tokens, more than the max_len=8 learned positions"),
+    ("learned_positions", lambda: _apply_decoder(TOKENS, positions=jnp.array([[0, 1, 2, 8]])),
+     ValueError, r"the positions of tokens must lie in \[0, 8\).*got 8"),
+    # decoding
+    ("generate_negative", lambda: _generate(TOKENS, max_new_tokens=-1), ValueError,
+     r"max_new_tokens must be an int >= 0; got -1"),
+    ("generate_past_max_len", lambda: _generate(TOKENS, max_new_tokens=5), ValueError,
+     r"prompt length 4 \+ max_new_tokens=5 exceeds the model's max_len=8"),
+    ("generate_token", lambda: _generate([[3, 20]], max_new_tokens=2), ValueError,
+     r"prompt must hold token ids in \[0, 13\) \(the vocabulary\); got 20"),
+    ("generate_temperature", lambda: _generate(TOKENS, max_new_tokens=2, temperature=-1.0),
+     ValueError, r"temperature must be a finite number >= 0; got -1.0"),
+    ("generate_lengths", lambda: _generate(TOKENS, prompt_lengths=jnp.array([5]),
+                                           max_new_tokens=2), ValueError,
+     r"prompt_lengths must lie in \[1, 4\]; got 5"),
+    ("generate_empty", lambda: _generate(np.zeros((1, 0), np.int32), max_new_tokens=2),
+     ValueError, r"prompt must be a non-empty int array \[B, L\]; got shape \(1, 0\)"),
+    ("greedy_max_len", lambda: _greedy(max_len=0), ValueError,
+     r"max_len must be an int >= 1; got 0"),
+    ("greedy_bos", lambda: _greedy(bos_id=9), ValueError, r"bos_id must be a token id in \[0, 9\)"),
+    # ring attention validates like dot_product_attention
+    ("ring_axis", lambda: ring.ring_self_attention(q8, q8, q8, _mesh(), axis="sequence"),
+     ValueError, r"axis='sequence' is not an axis of the mesh; its axes are \('seq',\)"),
+    ("ring_axis_name", lambda: _ring_in_shard_map(q8, q8, q8, axis_name="nope"), ValueError,
+     r"axis_name='nope' is not an axis of an enclosing jax.shard_map"),
+    ("ring_int32", lambda: ring.ring_self_attention(q8.astype(jnp.int32), q8.astype(jnp.int32),
+                                                    q8.astype(jnp.int32), _mesh()),
+     TypeError, r"query must have a floating dtype; got int32"),
+    ("ring_scale", lambda: _ring_in_shard_map(q8, q8, q8, axis_name="seq", scale=1e300),
+     ValueError, r"scale must lie in"),
+    ("ring_empty", lambda: _ring_in_shard_map(q8[..., :0], q8[..., :0], q8, axis_name="seq"),
+     ValueError, r"must not be empty; got H=0"),
+    ("ring_key_length", lambda: ring.ring_self_attention(q8, q8[:, :4], q8[:, :4], _mesh()),
+     ValueError, r"self-attention needs key of the query's \[B, T\] = \[2, 8\]"),
+]
+
+
+def _apply_decoder_float():
+    model, params = _decoder()
+    return model.apply({"params": params}, jnp.ones((1, 3), jnp.float32))
+
+
+@pytest.mark.parametrize("call, error, message", [m[1:] for m in MISTAKES],
+                         ids=[m[0] for m in MISTAKES])
+def test_hostile_input_is_a_named_error(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+# --- values that are right, or documented, where they cannot be checked ----------------
+
+
+def _poisoned(x, lengths, value):
+    """x `[B, L, ...]` with value at every position at or past each example's length."""
+    hidden = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :] >= lengths[:, None]
+    return jnp.where(hidden.reshape(hidden.shape + (1,) * (x.ndim - 2)), value, x)
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+@pytest.mark.parametrize("value", [jnp.nan, jnp.inf])
+@pytest.mark.parametrize("how", ["key_lengths", "mask", "query_lengths", "segments"])
+def test_nan_or_inf_in_hidden_positions_reaches_no_valid_output_or_gradient(
+        implementation, value, how):
+    """Padded or masked keys/values (or padded query rows) hold NaN/inf: the valid
+    outputs and every gradient equal those of clean inputs (select, not multiply)."""
+    kw, (q_bad, k_bad, v_bad) = {}, (q, k, v)
+    if how == "query_lengths":
+        kw["query_lengths"] = jnp.array([T, 2], jnp.int32)
+        q_bad = _poisoned(q, kw["query_lengths"], value)
+    else:
+        if how == "key_lengths":
+            kw["key_lengths"] = jnp.asarray(LENGTHS)
+        elif how == "mask":
+            kw["mask"] = (np.arange(S) < LENGTHS[:, None])[:, None, None, :]
+        else:  # a key segment no query carries
+            kw["mask"] = masks.segments(np.ones((B, T), np.int32),
+                                        np.where(np.arange(S) < LENGTHS[:, None], 1, 2))
+        # inf in the keys, -inf in the values (or NaN in both)
+        k_bad, v_bad = _poisoned(k, LENGTHS, value), _poisoned(v, LENGTHS, -value)
+    attend = functools.partial(dpa, implementation=implementation, **kw)
+
+    @jax.jit
+    def output_and_grads(q, k, v):
+        out, pullback = jax.vjp(attend, q, k, v)
+        return out, pullback(jnp.sin(out))   # a cotangent that reads every valid row
+
+    (clean_out, clean_grads), (dirty_out, dirty_grads) = (output_and_grads(q, k, v),
+                                                          output_and_grads(q_bad, k_bad, v_bad))
+    np.testing.assert_allclose(dirty_out, clean_out, rtol=1e-6, atol=1e-7)
+    for dirty_grad, clean_grad in zip(dirty_grads, clean_grads):
+        assert np.all(np.isfinite(dirty_grad))
+        np.testing.assert_allclose(dirty_grad, clean_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_minus_inf_bias_is_a_mask():
+    bias = _zeros(B, 1, 1, S).at[1, :, :, 3:].set(-jnp.inf)
+    np.testing.assert_allclose(dpa(q, k, v, bias=bias), dpa(q, k, v, key_lengths=LENGTHS),
+                               rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype, huge", [(jnp.uint32, 2**32 - 1), (jnp.int64, 2**40),
+                                         (jnp.uint64, 2**64 - 1)])
+def test_traced_lengths_of_any_integer_dtype_are_exact(dtype, huge):
+    """Under jit the values cannot be checked: a length past the sequence, however wide
+    its dtype, means the whole sequence (it saturates, never wraps)."""
+    attend = jax.jit(lambda lengths: dpa(q, k, v, key_lengths=lengths))
+    expected = dpa(q, k, v, key_lengths=LENGTHS)
+    np.testing.assert_allclose(attend(jnp.array([huge, 3], dtype)), expected, atol=1e-6)
+    np.testing.assert_allclose(attend(jnp.array([S, 3], dtype)), expected, atol=1e-6)
+
+
+def test_an_empty_value_dim_gives_an_empty_output():
+    out = dpa(q, k, v[..., :0])
+    assert out.shape == (B, T, N, 0)
+
+
+def test_token_ids_outside_the_vocabulary_under_jit_embed_as_zeros_never_nan():
+    """Under jit ids cannot be checked: any id outside [0, V) embeds as zeros (the
+    logits are finite and the same for every such id)."""
+    model, params = _decoder("sinusoidal")
+    apply = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
+    logits = [apply(jnp.array([[3, bad, 5]], jnp.int32)) for bad in (-1, 13, 10**6)]
+    for x in logits:
+        assert np.all(np.isfinite(x))
+        np.testing.assert_array_equal(x, logits[0])
+    assert not np.allclose(logits[0], apply(jnp.array([[3, 12, 5]], jnp.int32)))

@@ -101,6 +101,25 @@ def test_cache_overrun_is_a_clear_error(rng):
         module.apply({"params": variables["params"], **mutated}, x[:, :2], mutable=["cache"])
 
 
+def test_cache_overrun_under_jit_is_logged_not_an_internal_error(rng, caplog):
+    """Under jit the cache index is a tracer: the overrun is reported by name (logger
+    "attnjax", ERROR) when the step runs, the write stays inside the cache and the
+    output stays finite, instead of an XLA INTERNAL error."""
+    x = _x(rng, B, 4, D)
+    module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True)
+    variables = module.init(rng, x)
+    step = jax.jit(lambda cache, x: module.apply({"params": variables["params"], **cache}, x,
+                                                 mutable=["cache"]))
+    _, mutated = step({"cache": variables["cache"]}, x[:, :3])
+    with caplog.at_level("ERROR", logger="attnjax"):
+        out, mutated = step(dict(mutated), x[:, :2])
+        jax.block_until_ready(out)
+        jax.effects_barrier()
+    assert "KV cache overrun: 2 new tokens at position 3 exceed the cache length 4" in caplog.text
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert mutated["cache"]["cached_key"].shape == variables["cache"]["cached_key"].shape
+
+
 # --- learned scores ------------------------------------------------------------------
 
 

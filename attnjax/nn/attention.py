@@ -9,6 +9,7 @@ The module holds the parameters and the cache; projections and attention are
 import contextlib
 import functools
 import inspect
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from attnjax import _checks, masks, multi_head, scores
 from attnjax.attention import dot_product_attention
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
+_LOG = logging.getLogger("attnjax")
 
 # attnjax's own fields, at their defaults: what attention_fn (flax's signature) cannot take.
 _ENGINE_FIELDS = {"is_causal": False, "window": None, "score_mod": None, "use_sinks": False,
@@ -449,13 +451,20 @@ def _matmul_precision(precision):
 
 
 def _check_room(start, new: int, capacity: int) -> None:
-    """Appending past the cache is an error: at trace time when the index is known,
-    otherwise when the computation runs."""
+    """Appending past the cache is a ValueError at trace time when the index is known.
+
+    Under jit the index is known only when the step runs, where an exception could only
+    surface as an XLA INTERNAL error: the overrun is logged instead (logger "attnjax",
+    ERROR, on stderr by default), and the write stays inside the cache (XLA clamps the
+    update to the last slots), so the step's output is finite but no longer that of
+    the sequence. Size the cache for the longest sequence: `init` on a full-length
+    input."""
     message = "KV cache overrun: {} new tokens at position {} exceed the cache length {}"
     if isinstance(start, jax.core.Tracer):
-        def check(position):
+        def report(position):
             if int(position) + new > capacity:
-                raise ValueError(message.format(new, int(position), capacity))
-        jax.debug.callback(check, start)
+                _LOG.error(message.format(new, int(position), capacity)
+                           + "; the tokens were written over the cache's last slots")
+        jax.debug.callback(report, start)
     elif int(start) + new > capacity:
         raise ValueError(message.format(new, int(start), capacity))

@@ -59,6 +59,17 @@ MAX_SCALE = 1e4
 MIN_SCALE = float(np.finfo(np.float32).tiny)
 
 
+def outside(values, low, high):
+    """The first of `values` (numpy, known) outside [low, high] — the lowest if any is
+    below, else the highest — or None when all are inside (or there are none)."""
+    if values.size == 0:
+        return None
+    lowest, highest = values.min(), values.max()
+    if lowest < low:
+        return lowest
+    return highest if highest > high else None
+
+
 def resolve_scale(scale, head_dim: int) -> float:
     if scale is None:
         if head_dim == 0:

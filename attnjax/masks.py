@@ -201,8 +201,8 @@ class Shape:
                                  f"{x!r}") from None
             if not np.issubdtype(known.dtype, np.integer):
                 raise TypeError(f"{name} must have an integer dtype; got {known.dtype}")
-            if known.size and (known.min() < low or known.max() > high):
-                bad = known.min() if known.min() < low else known.max()
+            bad = _checks.outside(known, low, high)
+            if bad is not None:
                 raise ValueError(f"{name} must lie in int32's range [{low}, {high}]; got "
                                  f"{bad} (dtype {known.dtype})")
             x = known

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from attnjax import _checks
 from attnjax.nn.models import DecoderOnly, Transformer, check_tokens
 
 
@@ -36,9 +37,8 @@ def _check_lengths(name: str, lengths, batch: int, longest: int) -> None:
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype; got {dtype}")
     if not isinstance(lengths, jax.core.Tracer):
-        known = np.asarray(lengths)
-        if known.size and (known.min() < 1 or known.max() > longest):
-            bad = known.min() if known.min() < 1 else known.max()
+        bad = _checks.outside(np.asarray(lengths), 1, longest)
+        if bad is not None:
             raise ValueError(f"{name} must lie in [1, {longest}]; got {bad}")
 
 

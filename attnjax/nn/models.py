@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax import masks, scores
+from attnjax import _checks, masks, scores
 from attnjax.attention import IMPLEMENTATIONS as ENGINE_IMPLEMENTATIONS
 from attnjax.nn.attention import MultiHeadAttention
 from attnjax.nn.layers import FeedForward, PositionalEncoding
@@ -222,9 +222,8 @@ def check_tokens(config, name: str, tokens, vocab_size: int, positions=None) -> 
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must hold integer token ids; got dtype {dtype}")
     if not isinstance(tokens, jax.core.Tracer):
-        ids = np.asarray(tokens)
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            bad = ids.min() if ids.min() < 0 else ids.max()
+        bad = _checks.outside(np.asarray(tokens), 0, vocab_size - 1)
+        if bad is not None:
             raise ValueError(f"{name} must hold token ids in [0, {vocab_size}) (the "
                              f"vocabulary); got {bad}")
     if config.positional != "learned":
@@ -233,9 +232,8 @@ def check_tokens(config, name: str, tokens, vocab_size: int, positions=None) -> 
         raise ValueError(f"{name} has {np.shape(tokens)[-1]} tokens, more than the "
                          f"max_len={config.max_len} learned positions")
     if positions is not None and not isinstance(positions, jax.core.Tracer):
-        at = np.asarray(positions)
-        if at.size and (at.min() < 0 or at.max() >= config.max_len):
-            bad = at.min() if at.min() < 0 else at.max()
+        bad = _checks.outside(np.asarray(positions), 0, config.max_len - 1)
+        if bad is not None:
             raise ValueError(f"the positions of {name} must lie in [0, {config.max_len}) "
                              f"(the learned positions); got {bad}")
 

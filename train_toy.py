@@ -1,4 +1,4 @@
-"""Train a toy task: `python train_toy.py [--config configs/copy.yaml] [--set key.sub=value]`.
+"""Train a toy task: `python train_toy.py [--config copy] [--set key.sub=value]`.
 
 The logic lives in `attnjax.toy.cli` (also installed as the `attnjax-train` command).
 """

@@ -14,8 +14,9 @@ Layers, each built on the ones before it:
                a kernel vmapped over heads and batch
   multi_head   init_multi_head_attention / multi_head_attention (flax's parameter tree)
 
-Flax modules live in `attnjax.nn` (imported on first use: flax takes longer to import
-than the rest of attnjax); toy tasks, training and the CLI in `attnjax.toy`.
+Flax modules live in `attnjax.nn` (linen) and `attnjax.nnx` (imported on first use:
+flax takes longer to import than the rest of attnjax); toy tasks, training and the CLI
+in `attnjax.toy`.
 """
 
 import importlib
@@ -36,7 +37,7 @@ from attnjax.scores import additive_score, dot_score, general_score, scaled_dot_
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("nn",)
+_LAZY_SUBMODULES = ("nn", "nnx")
 
 
 def __getattr__(name: str):
@@ -60,6 +61,7 @@ __all__ = [
     "masked_softmax",
     "multi_head_attention",
     "nn",
+    "nnx",
     "padding_mask",
     "query_key_mask",
     "scaled_dot_score",

@@ -9,6 +9,8 @@ heads (K) and the query heads of each group (G) hands each head its own slice
 arithmetic of one block so, inside block loops that run over all heads at once.
 """
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
@@ -141,6 +143,14 @@ def dot_product_attention(
       log-sum-exp `[B, T, N]`); with both, (output, weights, log-sum-exp). A query that
       sees no key gets zeros, and zero gradients, in every dtype. Softmax and
       accumulation run in float32 for float16/bfloat16 inputs.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> query = jnp.ones((2, 5, 8, 16))                                # [B, T, N, H]
+        >>> key = jnp.ones((2, 9, 2, 16))                                  # [B, S, K, H]
+        >>> value = jnp.ones((2, 9, 2, 32))                                # [B, S, K, V]
+        >>> attnjax.dot_product_attention(query, key, value, is_causal=True).shape
+        (2, 5, 8, 32)
     """
     query_lengths = _one_of("query_lengths", query_lengths, "query_seq_lengths", query_seq_lengths)
     key_lengths = _one_of("key_lengths", key_lengths, "key_value_seq_lengths",
@@ -175,7 +185,9 @@ def dot_product_attention(
 
 def score_attention(query, key, value, score_fn, score_params, bias=None, mask=None,
                     **options):
-    """Batched multi-head attention with a learned alignment function and per-head
+    """Batched multi-head attention with a learned alignment function (always dense).
+
+    Batched multi-head attention with a learned alignment function and per-head
     parameters: `dot_product_attention(query, key, value, bias, mask,
     alignment=(score_fn, score_params), **options)`, always dense.
 
@@ -193,6 +205,13 @@ def score_attention(query, key, value, score_fn, score_params, bias=None, mask=N
 
     Returns:
       As `dot_product_attention`.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> q = k = v = jnp.ones((2, 5, 4, 8))                             # [B, T, N, H]
+        >>> w = jnp.stack([jnp.eye(8)] * 4)                                # [N, H, H]
+        >>> attnjax.score_attention(q, k, v, attnjax.general_score, {"w": w}).shape
+        (2, 5, 4, 8)
     """
     return dot_product_attention(query, key, value, bias, mask,
                                  alignment=(score_fn, score_params), **options)
@@ -233,6 +252,12 @@ def _aligned_positions(shape: Shape, causal_alignment, positions):
 
 def _check_inputs(query, key, value, same_head_dim: bool):
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    if query.ndim == 2:
+        raise ValueError(
+            f"query must have rank 3 or 4 ([B, T, N, H] or [T, N, H]); got shape "
+            f"{_checks.shape_str(query.shape)} (rank 2): the heads axis N is missing. For "
+            f"one head, add it with query[:, None, :] (and key, value alike), or use "
+            f"attnjax.attention on [T, H]")
     _checks.check_rank("query", query, (3, 4), "[B, T, N, H] or [T, N, H]")
     unbatched = query.ndim == 3
     layouts = {
@@ -242,9 +267,15 @@ def _check_inputs(query, key, value, same_head_dim: bool):
     }
     for name, x in (("key", key), ("value", value)):
         if x.ndim != query.ndim:
+            short = "query" if query.ndim < x.ndim else name
+            axis = "N" if short == "query" else "K"
             raise ValueError(
-                f"{name} must have the rank of query, {layouts[name]}; got shape "
-                f"{_checks.shape_str(x.shape)} for query {_checks.shape_str(query.shape)}"
+                f"{name} must have the rank of query; got {name} "
+                f"{_checks.shape_str(x.shape)} (rank {x.ndim}) and query "
+                f"{_checks.shape_str(query.shape)} (rank {query.ndim}). Batched, they are "
+                f"query [B, T, N, H], key [B, S, K, H], value [B, S, K, V]: {short} lacks "
+                f"an axis; if it is [B, L, H], its heads axis {axis} is missing: add it "
+                f"with {short}[:, :, None, :]"
             )
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.check_floating(name, x)
@@ -268,13 +299,21 @@ def _check_inputs(query, key, value, same_head_dim: bool):
 
 def _check_shapes(query, key, value, layouts, same_head_dim: bool) -> None:
     b, t, n, h = query.shape
-    shapes = {name: _checks.shape_str(x.shape) for name, x in
+    unbatched = layouts["query"] == "[T, N, H]"
+    # as given: an unbatched example without the batch axis added to it
+    shapes = {name: _checks.shape_str(x.shape[1:] if unbatched else x.shape) for name, x in
               (("query", query), ("key", key), ("value", value))}
+
+    # Rank-3 arrays are one unbatched example; batched ones that lost their heads axis
+    # look the same, and then fail here.
+    hint = ("; rank 3 is one example [T, N, H]: if the first axis is the batch, the heads "
+            "axis is missing ([B, T, H]): add it with x[:, :, None, :]"
+            if unbatched else "")
 
     def fail(what: str) -> None:
         raise ValueError(
             f"{what}; got query {shapes['query']} {layouts['query']}, key {shapes['key']} "
-            f"{layouts['key']}, value {shapes['value']} {layouts['value']}"
+            f"{layouts['key']}, value {shapes['value']} {layouts['value']}{hint}"
         )
 
     if not key.shape[0] == value.shape[0] == b:

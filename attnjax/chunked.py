@@ -199,7 +199,8 @@ def _forward_step(plan, mod, monotone, consts, i, j, masked: bool):
 def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
              monotone=None):
     """Output `[B, K, G, Tp, V]` and log-sum-exp `[B, K, G, Tp]` (MASKED for rows that
-    see nothing). q `[B, K, G, Tp, H]` (heads first, pre-scaled), k and v `[B, Sp, K, ·]`."""
+    see nothing). q `[B, K, G, Tp, H]` (heads first, pre-scaled), k and v `[B, Sp, K, ·]`
+    (or already head-major, `[B, K, 1, Sp, ·]`)."""
     sizes = q.shape[:3]
     acc_dtype = _logits_dtype(v.dtype)
     # The block products want keys and values head-major, [B, K, 1, ·, ·] ("heads"
@@ -207,8 +208,9 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
     # block: with several query blocks, reorder the whole K/V once; with one (a decoding
     # step) reorder each block as it is read, so no copy of the whole cache is kept.
     head_major = lambda x: jnp.moveaxis(x, 1, 2)[:, :, None]  # noqa: E731
-    if plan.num_q_blocks > 1:
-        k, v = head_major(k), head_major(v)
+    if plan.num_q_blocks > 1 or k.ndim == 5:
+        if k.ndim == 4:
+            k, v = head_major(k), head_major(v)
         key_block = lambda x, j: lax.dynamic_slice_in_dim(  # noqa: E731
             x, j * plan.block_k, plan.block_k, axis=3)
     else:
@@ -321,9 +323,12 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
         j, full, partial = xs
         # [B, K, 1, bk, H], [B, K, 1, bk, V]: the block in head-major order once per key
         # block ("heads" layout, shared by the G heads of a group), not once per visit.
-        k_j, v_j = (jnp.moveaxis(lax.dynamic_slice_in_dim(x, j * plan.block_k, plan.block_k,
-                                                          axis=1), 1, 2)[:, :, None]
-                    for x in (k, v))
+        if k.ndim == 5:   # head-major already
+            k_j, v_j = (lax.dynamic_slice_in_dim(x, j * plan.block_k, plan.block_k, axis=3)
+                        for x in (k, v))
+        else:
+            k_j, v_j = (jnp.moveaxis(lax.dynamic_slice_in_dim(
+                x, j * plan.block_k, plan.block_k, axis=1), 1, 2)[:, :, None] for x in (k, v))
 
         def step(i, inner, masked):
             d_q, d_bias, d_consts, d_k, d_v = inner
@@ -423,13 +428,15 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate):
     """The plan, the padded inputs (q scaled and heads first), the block table and the
     converted score_mod."""
     b, t, kv_heads, g, _ = q.shape
-    s = k.shape[1]
+    # keys and values [B, S, K, ·], or head-major [B, K, 1, S, ·] (ring attention)
+    seq_axis = 3 if k.ndim == 5 else 1
+    s = k.shape[seq_axis]
     plan = _Plan(t, s, *block_sizes(t, s, block_q, block_k), dropout_rate)
     mask = mask.padded(plan.padded_t, plan.padded_s)
     table = _table(plan, mask, (b, kv_heads, g))
     # q scaled once, rather than every [bq, bk] block of logits; [B, K, G, Tp, H]
     q = jnp.moveaxis(pad_axis(q * jnp.asarray(score.scale, q.dtype), plan.padded_t, 1), 1, 3)
-    k, v = pad_axis(k, plan.padded_s, 1), pad_axis(v, plan.padded_s, 1)
+    k, v = pad_axis(k, plan.padded_s, seq_axis), pad_axis(v, plan.padded_s, seq_axis)
     bias = None if score.bias is None else pad_axis(
         pad_axis(score.bias, plan.padded_t, -2, broadcast=True), plan.padded_s, -1,
         broadcast=True)
@@ -513,32 +520,41 @@ def _attend(q, k, v, mask: Mask, score: Score, options: Options):
     return _rows_first(out, plan.t), _rows_first(lse, plan.t), None
 
 
-def forward_with_lse(q, k, v, mask: Mask, score: Score, block_sizes=(None, None)):
+def forward_with_lse(q, k, v, mask: Mask, score: Score, block_sizes=(None, None),
+                     rows_first: bool = True):
     """Output `[B, T, K, G, V]` and log-sum-exp `[B, T, K, G]` against these keys only
-    (no dropout, no sinks); arguments as for `attend`. Not differentiable itself: its
-    pair `backward_with_lse` is, given the output and log-sum-exp of the whole rows.
-    For ring attention, which folds key/value shards in one at a time."""
+    (no dropout, no sinks); arguments as for `attend`, but k and v may come head-major,
+    `[B, K, 1, S, ·]`, as ring attention carries them (no copy of them per call). Not
+    differentiable itself: its pair `backward_with_lse` is, given the output and
+    log-sum-exp of the whole rows. For ring attention, which folds key/value shards in
+    one at a time. rows_first=False: as the kernel holds them, heads first and padded
+    to whole blocks, `[B, K, G, Tp, V]` and `[B, K, G, Tp]` (no copy)."""
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
                                                              *block_sizes, 0.0)
     out, lse = _forward(plan, mod, q, k, v, mask, bias, None, consts, None, _visits(table))
+    if not rows_first:
+        return out, lse
     return _rows_first(out, plan.t), _rows_first(lse, plan.t)
 
 
 def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
-                      block_sizes=(None, None)):
+                      block_sizes=(None, None), rows_first: bool = True):
     """float32 `(d_q [B, T, K, G, H], d_k [B, S, K, H], d_v [B, S, K, V])` of these
-    keys' share of each row's attention.
+    keys' share of each row's attention; k and v as `forward_with_lse` takes them.
 
     out `[B, T, K, G, V]`, lse `[B, T, K, G]` and d_out are of the whole rows (every key
     shard together): this share's weights are exp(logits − lse), so the shares'
-    gradients add up to the rows'.
+    gradients add up to the rows'. rows_first=False: out, lse, d_out and the returned
+    d_q as `forward_with_lse(..., rows_first=False)` gives them, heads first and padded.
     """
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
                                                              *block_sizes, 0.0)
     # [B, K, G, Tp, ·]
-    heads_first = lambda x: jnp.moveaxis(pad_axis(x, plan.padded_t, 1), 1, 3)  # noqa: E731
+    heads_first = lambda x: x if not rows_first else jnp.moveaxis(  # noqa: E731
+        pad_axis(x, plan.padded_t, 1), 1, 3)
     d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None,
                                   _visits(table.T), heads_first(out), heads_first(lse),
                                   heads_first(d_out), None)
     # q entered pre-scaled: the chain rule applies the scale to d_q
-    return _rows_first(d_q, plan.t) * score.scale, d_k[:, : plan.s], d_v[:, : plan.s]
+    d_q = (_rows_first(d_q, plan.t) if rows_first else d_q) * score.scale
+    return d_q, d_k[:, : plan.s], d_v[:, : plan.s]

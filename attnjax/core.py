@@ -11,6 +11,8 @@ float16/bfloat16 inputs; results come back in the input dtype. A query row that 
 key gets weights and output of exactly zero, with zero gradients, never NaN.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -66,7 +68,14 @@ def softmax_and_lse(
 def masked_softmax(
     logits: Float[ArrayLike, "T S"], mask: Bool[ArrayLike, "#T #S"] | None = None
 ) -> Float[ArrayLike, "T S"]:
-    """Row-wise softmax over the visible entries; rows with none visible are all zero."""
+    """Row-wise softmax over the visible entries; rows with none visible are all zero.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> mask = jnp.array([[True, True, False, False]])                 # [T, S]
+        >>> attnjax.masked_softmax(jnp.zeros((1, 4)), mask).tolist()
+        [[0.5, 0.5, 0.0, 0.0]]
+    """
     return softmax_and_lse(logits, mask)[0]
 
 
@@ -146,6 +155,12 @@ def attention_weights(
     Returns:
       `[T, S]` weights in q's dtype; each row sums to 1, or is all zero when the query
       sees no key.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> w = attnjax.attention_weights(jnp.ones((5, 16)), jnp.ones((7, 16)))
+        >>> w.shape, bool(jnp.allclose(w.sum(-1), 1.0))   # [T, S], rows sum to 1
+        ((5, 7), True)
     """
     _check_core(q, k, None, mask, bias, scale, score_fn)
     weights = masked_softmax(logits(q, k, bias=bias, scale=scale, score_fn=score_fn), mask)
@@ -175,6 +190,12 @@ def attention(
 
     Returns:
       `[T, V]` in v's dtype; zero rows for queries that see no key.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> q, k, v = jnp.ones((5, 16)), jnp.ones((7, 16)), jnp.ones((7, 32))
+        >>> attnjax.attention(q, k, v).shape          # [T, V]
+        (5, 32)
     """
     _check_core(q, k, v, mask, bias, scale, score_fn)
     weights = masked_softmax(logits(q, k, bias=bias, scale=scale, score_fn=score_fn), mask)

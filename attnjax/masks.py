@@ -72,7 +72,9 @@ class Coords:
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
-    """T queries and S keys in blocks of block_q × block_k; the last block of each may
+    """The block layout of a chunked call: T queries and S keys in blocks.
+
+    T queries and S keys in blocks of block_q × block_k; the last block of each may
     hold padding."""
 
     t: int
@@ -331,7 +333,9 @@ class ChunkedCausal(Rule):
 
 @_pytree.dataclass(data=("length",))
 class Prefix(Rule):
-    """Keys at positions below `length` are visible to every query (prefix-LM, with
+    """A prefix every query sees (prefix-LM).
+
+    Keys at positions below `length` are visible to every query (prefix-LM, with
     `causal() | prefix(n)`)."""
 
     length: Any
@@ -351,7 +355,9 @@ class Prefix(Rule):
 
 @_pytree.dataclass(data=("query", "key"))
 class Lengths(Rule):
-    """Query rows at or past `query` and keys at or past `key` (array indices) are
+    """Valid lengths: queries and keys past them are padding.
+
+    Query rows at or past `query` and keys at or past `key` (array indices) are
     padding: they see, and are seen by, nothing."""
 
     query: Any
@@ -458,7 +464,9 @@ class FromArray(Rule):
 
 
 def pad_axis(x, size: int, axis: int, *, broadcast: bool = False):
-    """Zero-pad (False-pad) axis to `size`. With broadcast=True a unit axis stays as it
+    """Pads an axis of a boolean mask with False up to `size`.
+
+    Zero-pad (False-pad) axis to `size`. With broadcast=True a unit axis stays as it
     is: it applies to every row (or column), padding included."""
     if x.shape[axis] == size or (broadcast and x.shape[axis] == 1):
         return x
@@ -478,7 +486,9 @@ def slice_block(x, row, rows: int, col, cols: int):
 
 @_pytree.dataclass(meta=("fn",))
 class FromFn(Rule):
-    """`fn(b, n, q_pos, k_pos) -> bool`, elementwise (FlexAttention's `mask_mod`): b and
+    """A rule given by a function of the indices, like FlexAttention's `mask_mod`.
+
+    `fn(b, n, q_pos, k_pos) -> bool`, elementwise (FlexAttention's `mask_mod`): b and
     n are int32 scalars, q_pos `[bq, 1]` and k_pos `[1, bk]`. Every block is PARTIAL:
     combine it with a structural rule (`causal() & from_fn(f)`) for block skipping."""
 
@@ -551,6 +561,14 @@ class Mask:
     Build one with the constructors of this module and combine them with `&` and `|`.
     `positions` (set by `dot_product_attention(..., positions=...)`) and the example
     and head indices are filled in when a call binds the mask to its shapes.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import masks
+        >>> mask = masks.causal() & masks.segments(jnp.array([[0, 0, 1, 1]]))
+        >>> q = k = v = jnp.ones((1, 4, 2, 8))                             # [B, T, N, H]
+        >>> attnjax.dot_product_attention(q, k, v, mask=mask).shape
+        (1, 4, 2, 8)
     """
 
     rule: Rule = Everything()
@@ -664,25 +682,62 @@ def _with_key_arrays(rule: Rule, arrays) -> Rule:
 
 
 def everything() -> Mask:
-    """Every key visible to every query."""
+    """Every key visible to every query.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from attnjax import masks
+        >>> q = k = v = jnp.ones((2, 6, 4, 8))                             # [B, T, N, H]
+        >>> import attnjax
+        >>> attnjax.dot_product_attention(q, k, v, mask=masks.everything()).shape   # no mask
+        (2, 6, 4, 8)
+    """
     return Mask()
 
 
 def causal() -> Mask:
-    """Key j is visible to query i when k_pos ≤ q_pos (bottom-right aligned by default)."""
+    """Key j is visible to query i when k_pos ≤ q_pos (bottom-right aligned by default).
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import masks
+        >>> q = k = v = jnp.ones((2, 6, 4, 8))                             # [B, T, N, H]
+        >>> attnjax.dot_product_attention(q, k, v, mask=masks.causal()).shape
+        (2, 6, 4, 8)
+    """
     return Mask(Causal())
 
 
 def window(left: int, right: int | None = None) -> Mask:
-    """q_pos − left ≤ k_pos ≤ q_pos + right; `window(w)` is `window(w, w)`."""
+    """q_pos − left ≤ k_pos ≤ q_pos + right; `window(w)` is `window(w, w)`.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import masks
+        >>> q = k = v = jnp.ones((2, 6, 4, 8))                             # [B, T, N, H]
+        >>> attnjax.dot_product_attention(q, k, v, mask=masks.causal() & masks.window(2, 0)).shape
+        (2, 6, 4, 8)
+    """
     left, right = _checks.resolve_window(left if right is None else (left, right))
     return Mask(Window(left, right))
 
 
 def lengths(query: Int[ArrayLike, "*B"] | None = None,
             key: Int[ArrayLike, "*B"] | None = None) -> Mask:
-    """Valid lengths per example: rows at or past `query[b]` are padding (zeros out)
-    and keys at or past `key[b]` are never seen."""
+    """Valid query and key lengths per example; the rest is padding.
+
+    Valid lengths per example: rows at or past `query[b]` are padding (zeros out)
+    and keys at or past `key[b]` are never seen.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import masks
+        >>> q = k = v = jnp.ones((2, 6, 4, 8))                             # [B, T, N, H]
+        >>> lengths = jnp.array([6, 3])                                    # [B]
+        >>> out = attnjax.dot_product_attention(q, k, v, mask=masks.lengths(lengths))
+        >>> out.shape, float(out[1, 3:].sum())                             # padded rows are zeros
+        ((2, 6, 4, 8), 0.0)
+    """
     if query is None and key is None:
         raise ValueError("lengths needs query= or key= (int [B]); got neither")
     for name, x in (("query", query), ("key", key)):
@@ -693,14 +748,36 @@ def lengths(query: Int[ArrayLike, "*B"] | None = None,
 
 def segments(query_ids: Int[ArrayLike, "*B T"], key_ids: Int[ArrayLike, "*B S"] | None = None
              ) -> Mask:
-    """Sequence packing: query i sees key j only when they carry the same segment id.
-    key_ids defaults to query_ids (self-attention)."""
+    """Sequence packing: a query sees only keys of its own segment.
+
+    Sequence packing: query i sees key j only when they carry the same segment id.
+    key_ids defaults to query_ids (self-attention).
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import masks
+        >>> ids = jnp.array([[0, 0, 0, 1, 1, 1]])                          # [B, T]: two documents
+        >>> q = k = v = jnp.ones((1, 6, 2, 8))
+        >>> attnjax.dot_product_attention(q, k, v, mask=masks.causal() & masks.segments(ids)).shape
+        (1, 6, 2, 8)
+    """
     return Mask(Segments(query_ids, key_ids))
 
 
 def prefix(length: int | Int[ArrayLike, "*B"]) -> Mask:
-    """Keys at positions below `length` (an int, or int `[B]`) are seen by every query;
-    prefix-LM is `causal() | prefix(n)`."""
+    """Keys below `length` are seen by every query (prefix-LM).
+
+    Keys at positions below `length` (an int, or int `[B]`) are seen by every query;
+    prefix-LM is `causal() | prefix(n)`.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import masks
+        >>> q = k = v = jnp.ones((1, 6, 2, 8))
+        >>> prefix_lm = masks.causal() | masks.prefix(3)       # the first 3 see each other
+        >>> attnjax.dot_product_attention(q, k, v, mask=prefix_lm).shape
+        (1, 6, 2, 8)
+    """
     if isinstance(length, bool) or not (isinstance(length, (int, np.integer))
                                         or hasattr(length, "dtype")):
         raise TypeError(f"prefix length must be an int or an int array [B]; got {length!r}")
@@ -708,21 +785,51 @@ def prefix(length: int | Int[ArrayLike, "*B"]) -> Mask:
 
 
 def chunked_causal(size: int) -> Mask:
-    """Causal attention within chunks of `size` positions (chunk c holds positions
-    [c·size, (c + 1)·size)); nothing across chunks."""
+    """Causal attention within chunks of `size` positions.
+
+    Causal attention within chunks of `size` positions (chunk c holds positions
+    [c·size, (c + 1)·size)); nothing across chunks.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import masks
+        >>> q = k = v = jnp.ones((1, 8, 2, 8))                             # [B, T, N, H]
+        >>> attnjax.dot_product_attention(q, k, v, mask=masks.chunked_causal(4)).shape
+        (1, 8, 2, 8)
+    """
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         raise ValueError(f"chunked_causal size must be a positive int; got {size!r}")
     return Mask(ChunkedCausal(int(size)))
 
 
 def from_array(mask: Bool[ArrayLike, "..."]) -> Mask:
-    """A boolean array broadcastable to `[B, N, T, S]`, True = may attend."""
+    """A boolean array broadcastable to `[B, N, T, S]`, True = may attend.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import masks
+        >>> allowed = jnp.tril(jnp.ones((6, 6), bool))                     # [T, S]
+        >>> q = k = v = jnp.ones((1, 6, 2, 8))
+        >>> attnjax.dot_product_attention(q, k, v, mask=masks.from_array(allowed)).shape
+        (1, 6, 2, 8)
+    """
     return Mask(FromArray(mask))
 
 
 def from_fn(fn: Callable) -> Mask:
-    """`fn(b, n, q_pos, k_pos) -> bool`, elementwise on broadcastable int32 arrays
-    (FlexAttention's `mask_mod`, with positions for indices)."""
+    """A mask rule from any elementwise function of the indices.
+
+    `fn(b, n, q_pos, k_pos) -> bool`, elementwise on broadcastable int32 arrays
+    (FlexAttention's `mask_mod`, with positions for indices).
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import masks
+        >>> even = masks.from_fn(lambda b, n, q_pos, k_pos: (q_pos - k_pos) % 2 == 0)
+        >>> q = k = v = jnp.ones((1, 6, 2, 8))                             # [B, T, N, H]
+        >>> attnjax.dot_product_attention(q, k, v, mask=masks.causal() & even).shape
+        (1, 6, 2, 8)
+    """
     if not callable(fn):
         raise TypeError(f"from_fn needs a callable fn(b, n, q_pos, k_pos); got "
                         f"{type(fn).__name__}")
@@ -740,19 +847,38 @@ def _grid(mask: Mask, num_queries: int, num_keys: int) -> Bool[Array, "T S"]:
 
 
 def causal_mask(num_queries: int, num_keys: int | None = None) -> Bool[Array, "T S"]:
-    """`[T, S]`: key j is visible to query i when j ≤ i + (S − T). S defaults to T."""
+    """`[T, S]`: key j is visible to query i when j ≤ i + (S − T). S defaults to T.
+
+    Examples:
+        >>> from attnjax import masks
+        >>> masks.causal_mask(2, 3).astype(int).tolist()                   # [T, S], bottom-right
+        [[1, 1, 0], [1, 1, 1]]
+    """
     return _grid(causal(), num_queries, num_queries if num_keys is None else num_keys)
 
 
 def sliding_window_mask(num_queries: int, num_keys: int, window_size: int | tuple[int, int]
                         ) -> Bool[Array, "T S"]:
-    """`[T, S]`: query i sees key j when i' − left ≤ j ≤ i' + right, i' = i + (S − T)."""
+    """`[T, S]`: query i sees key j when i' − left ≤ j ≤ i' + right, i' = i + (S − T).
+
+    Examples:
+        >>> from attnjax import masks
+        >>> masks.sliding_window_mask(3, 3, (1, 0)).astype(int).tolist()   # [T, S]
+        [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
     left, right = _checks.resolve_window(window_size)
     return _grid(window(left, right), num_queries, num_keys)
 
 
 def padding_mask(lengths: Int[ArrayLike, " B"], max_length: int) -> Bool[Array, "B L"]:
-    """`[B, L]`: position l of example b is real (not padding) when l < lengths[b]."""
+    """`[B, L]`: position l of example b is real (not padding) when l < lengths[b].
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from attnjax import masks
+        >>> masks.padding_mask(jnp.array([3, 1]), 4).astype(int).tolist()  # [B, L]
+        [[1, 1, 1, 0], [1, 0, 0, 0]]
+    """
     lengths = jnp.asarray(lengths)
     _checks.check_rank("lengths", lengths, (1,), "[B]")
     _checks.check_lengths("lengths", lengths, lengths.shape, "[B]")
@@ -763,7 +889,14 @@ def padding_mask(lengths: Int[ArrayLike, " B"], max_length: int) -> Bool[Array, 
 
 def query_key_mask(query_lengths: Int[ArrayLike, " B"], key_lengths: Int[ArrayLike, " B"],
                    num_queries: int, num_keys: int) -> Bool[Array, "B 1 T S"]:
-    """`[B, 1, T, S]`: both query i and key j are real positions of example b."""
+    """`[B, 1, T, S]`: both query i and key j are real positions of example b.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from attnjax import masks
+        >>> masks.query_key_mask(jnp.array([2, 1]), jnp.array([3, 2]), 2, 3).shape   # [B, 1, T, S]
+        (2, 1, 2, 3)
+    """
     # [B, T], [B, S]
     q_valid = padding_mask(query_lengths, num_queries)
     k_valid = padding_mask(key_lengths, num_keys)
@@ -771,8 +904,18 @@ def query_key_mask(query_lengths: Int[ArrayLike, " B"], key_lengths: Int[ArrayLi
 
 
 def combine_masks(*masks: Bool[ArrayLike, "..."] | None) -> Bool[Array, "..."] | None:
-    """Logical AND of the boolean arrays that are not None, broadcast together; None if
-    none is."""
+    """The logical AND of boolean masks, skipping None.
+
+    Logical AND of the boolean arrays that are not None, broadcast together; None if
+    none is.
+
+    Examples:
+        >>> from attnjax import masks
+        >>> both = masks.combine_masks(masks.causal_mask(3), None,
+        ...                            masks.sliding_window_mask(3, 3, 1))
+        >>> both.shape                                                 # [T, S]
+        (3, 3)
+    """
     present = [m for m in masks if m is not None]
     if not present:
         return None

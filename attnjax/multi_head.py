@@ -9,8 +9,10 @@ The per-head W_i are held as one kernel with a head axis, exactly as
     value: {kernel [Dv, K, V], bias [K, V]}     out:   {kernel [N, V, F],  bias [F]}
 """
 
+from __future__ import annotations
+
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,12 @@ def init_multi_head_attention(
     Returns:
       `{"query", "key", "value", "out"}`, each `{"kernel", "bias"}` (LeCun-normal
       kernels over the flattened fan-in, zero biases).
+
+    Examples:
+        >>> import jax, attnjax
+        >>> params = attnjax.init_multi_head_attention(jax.random.key(0), 64, 8, num_kv_heads=2)
+        >>> params["query"]["kernel"].shape, params["key"]["kernel"].shape   # [D, N, H], [D, K, H]
+        ((64, 8, 8), (64, 2, 8))
     """
     shapes = projection_shapes(
         in_features, num_heads, qkv_features=qkv_features, out_features=out_features,
@@ -137,6 +145,16 @@ def _check_params(params, inputs_q, inputs_k, inputs_v) -> None:
     for name in ("query", "key", "value", "out"):
         _checks.check_rank(f"params['{name}']['kernel']", params[name]["kernel"], (3,),
                            "[N, V, F]" if name == "out" else "[D, heads, head_dim]")
+    for name, arg, x in (("query", "inputs_q", inputs_q), ("key", "inputs_k", inputs_k),
+                         ("value", "inputs_v", inputs_v)):
+        width = params[name]["kernel"].shape[0]
+        if x.shape[-1] != width:  # the input is the likelier mistake: say so first
+            raise ValueError(
+                f"{arg} has {x.shape[-1]} features (its last axis, D); these parameters "
+                f"project {width}: params['{name}']['kernel'] is "
+                f"{_checks.shape_str(params[name]['kernel'].shape)} [D, heads, head_dim]. "
+                f"Pass {arg} of shape [..., {width}], or parameters made for {x.shape[-1]} "
+                f"features (init_multi_head_attention)")
     n, h = q_kernel.shape[1:]
     k = params["key"]["kernel"].shape[1]
     v = params["value"]["kernel"].shape[2]
@@ -207,11 +225,36 @@ def combine_heads(params: Mapping[str, Mapping[str, ArrayLike]], heads: ArrayLik
     return project(params["out"], heads, 2)
 
 
+def projection_activations(projection_activation) -> tuple[Callable, Callable, Callable]:
+    """(φ_Q, φ_K, φ_V) from one callable (all three), a triple of callables or None
+    (each None is the identity)."""
+    if projection_activation is None or callable(projection_activation):
+        return (projection_activation or _identity,) * 3
+    if (isinstance(projection_activation, (tuple, list)) and len(projection_activation) == 3
+            and all(phi is None or callable(phi) for phi in projection_activation)):
+        return tuple(phi or _identity for phi in projection_activation)
+    raise TypeError("projection_activation must be None, a callable or a (phi_q, phi_k, "
+                    f"phi_v) triple of callables or None; got {projection_activation!r}")
+
+
+def _identity(x):
+    return x
+
+
+def activate_projections(projection_activation, query, key, value) -> tuple[Array, Array, Array]:
+    """q = φ_Q(query), k = φ_K(key), v = φ_V(value): the projections as time-distributed
+    feed-forward layers with their own activations (see `projection_activations`)."""
+    phi_q, phi_k, phi_v = projection_activations(projection_activation)
+    return phi_q(query), phi_k(key), phi_v(value)
+
+
 def multi_head_attention(
     params: Mapping[str, Mapping[str, ArrayLike]],
     inputs_q: Float[ArrayLike, "*B T D"],
     inputs_k: Float[ArrayLike, "*B S Dk"] | None = None,
     inputs_v: Float[ArrayLike, "*B S Dv"] | None = None,
+    *,
+    projection_activation: Callable | tuple | None = None,
     **attention_options,
 ) -> Float[ArrayLike, "*B T F"] | tuple[Array, ...]:
     """Multi-head attention: project per head, attend, mix the heads with W^O.
@@ -222,6 +265,9 @@ def multi_head_attention(
       inputs_q: `[B, T, D]` (or `[T, D]`).
       inputs_k: `[B, S, Dk]`; defaults to inputs_q (self-attention).
       inputs_v: `[B, S, Dv]`; defaults to inputs_k.
+      projection_activation: φ in q = φ_Q(X_q W^Q + b^Q), k = φ_K(X_k W^K + b^K),
+        v = φ_V(X_v W^V + b^V): one callable for all three, or a (φ_Q, φ_K, φ_V) triple
+        (None entries: the identity); default None, the identity (plain linear maps).
       **attention_options: any keyword of `attnjax.dot_product_attention` (mask — a
         bool array or an `attnjax.Mask` —, bias, is_causal, query_lengths, key_lengths,
         window, positions, score_mod, sinks, dropout_rate, dropout_rng, return_weights,
@@ -231,6 +277,13 @@ def multi_head_attention(
       `[B, T, F]` in inputs_q's dtype (parameters are cast to it); with
       return_weights / return_residual, followed by the weights `[B, N, T, S]` / the
       log-sum-exp `[B, T, N]`, as `dot_product_attention` returns them.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, attnjax
+        >>> params = attnjax.init_multi_head_attention(jax.random.key(0), 64, 8)
+        >>> x = jnp.ones((2, 10, 64))                                      # [B, T, D]
+        >>> attnjax.multi_head_attention(params, x, is_causal=True).shape   # [B, T, F]
+        (2, 10, 64)
     """
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v
@@ -240,6 +293,7 @@ def multi_head_attention(
     query = project_query(params, inputs_q)
     # [B, S, K, H], [B, S, K, V]
     key, value = project_key_value(params, inputs_k, inputs_v)
+    query, key, value = activate_projections(projection_activation, query, key, value)
     result = dot_product_attention(query, key, value, **attention_options)
     # weights and log-sum-exp, when asked for, follow the heads
     heads, *extras = result if isinstance(result, tuple) else (result,)

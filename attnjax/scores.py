@@ -16,6 +16,8 @@ Score modifications (`soft_cap`, `alibi`, `relative_position_bias`, or any
 logits elementwise before masking; `Score` gathers what one call does to its logits.
 """
 
+from __future__ import annotations
+
 import math
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +35,14 @@ def _logits_dtype(dtype) -> jnp.dtype:
 
 
 def dot_score(q: Float[ArrayLike, "T H"], k: Float[ArrayLike, "S H"]) -> Float[ArrayLike, "T S"]:
-    """Luong's "dot" alignment: q kᵀ, unscaled."""
+    """Luong's "dot" alignment: q kᵀ, unscaled.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from attnjax import scores
+        >>> scores.dot_score(jnp.ones((5, 16)), jnp.ones((7, 16))).shape  # [T, S]
+        (5, 7)
+    """
     _checks.check_same_last_dim("q", q, "k", k)
     # [T, S]
     return jnp.einsum("TH,SH->TS", q, k, preferred_element_type=_logits_dtype(q.dtype))
@@ -42,7 +51,15 @@ def dot_score(q: Float[ArrayLike, "T H"], k: Float[ArrayLike, "S H"]) -> Float[A
 def scaled_dot_score(
     q: Float[ArrayLike, "T H"], k: Float[ArrayLike, "S H"], *, scale: float | None = None
 ) -> Float[ArrayLike, "T S"]:
-    """The Transformer's alignment: q kᵀ · scale, with scale = 1/√H by default."""
+    """The Transformer's alignment: q kᵀ · scale, with scale = 1/√H by default.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from attnjax import scores
+        >>> logits = scores.scaled_dot_score(jnp.ones((5, 16)), jnp.ones((7, 16)))   # [T, S]
+        >>> logits.shape, float(logits[0, 0])                          # 16 / √16
+        ((5, 7), 4.0)
+    """
     _checks.check_same_last_dim("q", q, "k", k)
     scale = _checks.resolve_scale(scale, q.shape[-1])
     # Scaling the [T, H] queries costs T·H multiplies instead of T·S on the logits.
@@ -54,7 +71,15 @@ def scaled_dot_score(
 def general_score(
     q: Float[ArrayLike, "T _Hq"], k: Float[ArrayLike, "S _Hk"], *, w: Float[ArrayLike, "_Hq _Hk"]
 ) -> Float[ArrayLike, "T S"]:
-    """Luong's "general" (bilinear) alignment: q W kᵀ with a learned W `[Hq, Hk]`."""
+    """Luong's "general" (bilinear) alignment: q W kᵀ with a learned W `[Hq, Hk]`.
+
+    Examples:
+        >>> import functools, jax.numpy as jnp, attnjax
+        >>> general = functools.partial(attnjax.general_score, w=jnp.eye(16))   # q W kᵀ
+        >>> attnjax.attention(jnp.ones((5, 16)), jnp.ones((7, 16)), jnp.ones((7, 4)),
+        ...                   score_fn=general).shape
+        (5, 4)
+    """
     _checks.check_param_shape("w", w, (q.shape[-1], k.shape[-1]), "[Hq, Hk]")
     acc = _logits_dtype(q.dtype)
     # [T, Hk]
@@ -74,6 +99,13 @@ def additive_score(
     """Bahdanau's additive alignment: vᵀ tanh(W_q q + W_k k), for every (i, j).
 
     Materialises a `[T, S, A]` tensor: meant for the small models it was designed for.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from attnjax import scores
+        >>> w_q, w_k, v = jnp.ones((16, 8)), jnp.ones((12, 8)), jnp.ones((8,))   # A = 8
+        >>> scores.additive_score(jnp.ones((5, 16)), jnp.ones((7, 12)), w_q=w_q, w_k=w_k, v=v).shape
+        (5, 7)
     """
     if w_q.ndim != 2 or w_k.ndim != 2 or v.ndim != 1:
         raise ValueError(
@@ -107,7 +139,15 @@ ScoreMod = Callable[[Array, Array, Array, Array, Array], Array]
 
 
 def soft_cap(cap: float) -> ScoreMod:
-    """cap · tanh(score / cap): logits squashed into (−cap, cap) (Gemma 2, Grok)."""
+    """cap · tanh(score / cap): logits squashed into (−cap, cap) (Gemma 2, Grok).
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import scores
+        >>> q = k = v = jnp.ones((1, 6, 2, 8))                             # [B, T, N, H]
+        >>> attnjax.dot_product_attention(q, k, v, score_mod=scores.soft_cap(30.0)).shape
+        (1, 6, 2, 8)
+    """
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
             math.isfinite(cap) and cap > 0):
         raise ValueError(f"soft_cap needs a positive finite cap; got {cap!r}")
@@ -126,16 +166,35 @@ def soft_cap(cap: float) -> ScoreMod:
 
 
 def alibi_slopes(num_heads: int) -> Array:
-    """`[N]` the ALiBi paper's head slopes, 2^(−8·(n+1)/N) (geometric; for N a power of
-    two exactly the paper's, otherwise the same formula)."""
+    """The ALiBi paper's head slopes, `[N]`.
+
+    `[N]` the ALiBi paper's head slopes, 2^(−8·(n+1)/N) (geometric; for N a power of
+    two exactly the paper's, otherwise the same formula).
+
+    Examples:
+        >>> from attnjax import scores
+        >>> scores.alibi_slopes(4).tolist()                                 # [N]
+        [0.25, 0.0625, 0.015625, 0.00390625]
+    """
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
     return jnp.asarray(2.0 ** (-8.0 * (np.arange(num_heads) + 1) / num_heads), jnp.float32)
 
 
 def alibi(slopes: Float[ArrayLike, " N"]) -> ScoreMod:
-    """ALiBi: score − slopes[n] · |q_pos − k_pos| (with a causal mask, the paper's
-    m·(j − i)). slopes `[N]`, one per query head; learnable (gradients reach it)."""
+    """ALiBi: a linear penalty on the distance, one slope per head.
+
+    ALiBi: score − slopes[n] · |q_pos − k_pos| (with a causal mask, the paper's
+    m·(j − i)). slopes `[N]`, one per query head; learnable (gradients reach it).
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import scores
+        >>> q = k = v = jnp.ones((1, 6, 4, 8))                             # N = 4 heads
+        >>> mod = scores.alibi(scores.alibi_slopes(4))
+        >>> attnjax.dot_product_attention(q, k, v, is_causal=True, score_mod=mod).shape
+        (1, 6, 4, 8)
+    """
     slopes = jnp.asarray(slopes)
     if slopes.ndim != 1 or not jnp.issubdtype(slopes.dtype, jnp.floating):
         raise ValueError(f"alibi slopes must be a float array [N]; got {slopes.dtype} "
@@ -150,8 +209,18 @@ def alibi(slopes: Float[ArrayLike, " N"]) -> ScoreMod:
 
 def relative_position_bucket(relative_position, *, num_buckets: int, max_distance: int,
                              bidirectional: bool):
-    """T5's bucket of k_pos − q_pos: exact below num_buckets/2 (per direction), then
-    logarithmic up to max_distance, and the last bucket beyond."""
+    """T5's relative-position bucket of k_pos − q_pos.
+
+    T5's bucket of k_pos − q_pos: exact below num_buckets/2 (per direction), then
+    logarithmic up to max_distance, and the last bucket beyond.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from attnjax import scores
+        >>> scores.relative_position_bucket(jnp.array([-3, 0, 3]), num_buckets=8, max_distance=16,
+        ...                                 bidirectional=True).tolist()   # [T, S] alike
+        [2, 0, 6]
+    """
     bucket = jnp.zeros_like(relative_position)
     n = -relative_position
     if bidirectional:
@@ -174,6 +243,15 @@ def relative_position_bias(table: Float[ArrayLike, "buckets N"], *, num_buckets:
     """T5's relative position bias: score + table[bucket(k_pos − q_pos), n].
 
     table `[num_buckets, N]`, learnable; buckets as in T5 (`relative_position_bucket`).
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import scores
+        >>> table = jnp.zeros((32, 2))                                      # [buckets, N]
+        >>> q = k = v = jnp.ones((1, 6, 2, 8))
+        >>> mod = scores.relative_position_bias(table)
+        >>> attnjax.dot_product_attention(q, k, v, score_mod=mod).shape
+        (1, 6, 2, 8)
     """
     table = jnp.asarray(table)
     if table.ndim != 2 or table.shape[0] != num_buckets or not jnp.issubdtype(
@@ -199,7 +277,16 @@ def relative_position_bias(table: Float[ArrayLike, "buckets N"], *, num_buckets:
 
 
 def chain(*mods: ScoreMod) -> ScoreMod:
-    """One score_mod applying each of `mods` in turn: `chain(alibi(m), soft_cap(30))`."""
+    """One score_mod applying each of `mods` in turn: `chain(alibi(m), soft_cap(30))`.
+
+    Examples:
+        >>> import jax.numpy as jnp, attnjax
+        >>> from attnjax import scores
+        >>> mod = scores.chain(scores.alibi(scores.alibi_slopes(2)), scores.soft_cap(20.0))
+        >>> q = k = v = jnp.ones((1, 6, 2, 8))                             # [B, T, N, H]
+        >>> attnjax.dot_product_attention(q, k, v, score_mod=mod).shape
+        (1, 6, 2, 8)
+    """
     for i, fn in enumerate(mods):
         if not callable(fn):
             raise TypeError(f"chain's argument {i} must be a score_mod; got {type(fn).__name__}")

@@ -15,16 +15,28 @@ compiled step is printed beside it.
 """
 
 import argparse
+import contextlib
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
+import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attnjax import nn  # noqa: E402
+import attnjax  # noqa: E402
+from attnjax import masks, nn  # noqa: E402
+from attnjax.nn import models  # noqa: E402
+from attnjax.parallel import mesh as mesh_lib  # noqa: E402
+from attnjax.toy import make_task  # noqa: E402
+from attnjax.toy import train as training  # noqa: E402
+from attnjax.toy.config import load_config  # noqa: E402
 from _timing import median_times  # noqa: E402
+
+COPY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "copy.yaml"
 
 SHAPES = [(32, 64, 128, 4), (8, 512, 256, 8), (1, 4096, 512, 8)]
 
@@ -51,16 +63,81 @@ def attention_step(module_cls, shape, causal: bool):
     return jax.value_and_grad(loss, argnums=(0, 1)), (params, x)
 
 
+def _as_array(mask, positions, b: int, t: int, s: int):
+    """An `attnjax.Mask` as the bool `[B, 1, T, S]` array a flax user passes: the
+    keys that get weight when every logit is equal."""
+    q, k = jnp.zeros((b, t, 1, 1), jnp.float32), jnp.zeros((b, s, 1, 1), jnp.float32)
+    _, weights = attnjax.dot_product_attention(q, k, k, mask=mask, positions=positions,
+                                               return_weights=True)
+    return weights > 0
+
+
+class FlaxAttention(fnn.MultiHeadDotProductAttention):
+    """flax's attention with the call of attnjax's: the Mask (and is_causal) become a
+    bool array, then flax's module runs. The copy model's other fields are unused
+    (default values)."""
+
+    num_kv_heads: Any = None
+    implementation: Any = None
+    score_mod: Any = None
+    use_sinks: bool = False
+    is_causal: bool = False
+
+    def __call__(self, inputs_q, inputs_k=None, *, mask=None, positions=None,
+                 deterministic=None, sow_weights=False):
+        inputs_k = inputs_q if inputs_k is None else inputs_k
+        rule = masks.everything() if mask is None else mask
+        rule = rule & masks.causal() if self.is_causal else rule
+        dense = _as_array(rule, positions, inputs_q.shape[0], inputs_q.shape[1],
+                          inputs_k.shape[1])
+        return super().__call__(inputs_q, inputs_k, mask=dense, deterministic=deterministic,
+                                sow_weights=sow_weights)
+
+
+@contextlib.contextmanager
+def _attention_class(cls):
+    """The models built while inside use `cls` for every attention layer."""
+    original = models.MultiHeadAttention
+    models.MultiHeadAttention = cls
+    try:
+        yield
+    finally:
+        models.MultiHeadAttention = original
+
+
+def copy_model_step(attention_cls):
+    """The default copy config's whole training step (loss, gradients, AdamW update),
+    jitted and compiled with `attention_cls` in every layer, and its arguments."""
+    config = load_config(COPY_CONFIG)
+    task = make_task(config.task)
+    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+    optimizer = training.make_optimizer(config.optim, config.steps)
+    with _attention_class(attention_cls):
+        model = training.make_model(config, task)
+        state = training.init_state(model, optimizer, task, config.seed, mesh)
+        batch = training.train_batch(task, config, 0, mesh)
+
+        def step(state, batch):
+            grads, metrics = jax.grad(training.loss_and_metrics, has_aux=True)(
+                state.params, batch, model, config.optim.label_smoothing)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), opt_state, metrics["loss"]
+
+        compiled, temp = _compiled(step, state, batch)
+    return compiled, temp, (state, batch)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--only-model", action="store_true", help="time the whole copy-model step only")
     args = parser.parse_args()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, float32; "
           f"median of {args.repeats} interleaved steps")
     print()
     print("| B, T, D, N | mask | attnjax ms | flax ms | flax / attnjax | temp MiB attnjax / flax |")
     print("|---|---|---:|---:|---:|---:|")
-    for shape in SHAPES:
+    for shape in [] if args.only_model else SHAPES:
         for causal in (True, False):
             fns, temps = {}, {}
             for name, cls in (("attnjax", nn.MultiHeadDotProductAttention),
@@ -73,6 +150,15 @@ def main() -> None:
                   f"{times['attnjax'] * 1e3:.2f} | {times['flax'] * 1e3:.2f} | "
                   f"{times['flax'] / times['attnjax']:.2f} | "
                   f"{temps['attnjax'] / 2**20:.1f} / {temps['flax'] / 2**20:.1f} |")
+    print()
+    fns, temps = {}, {}
+    for name, cls in (("attnjax", models.MultiHeadAttention), ("flax", FlaxAttention)):
+        fns[name], temps[name], step_args = copy_model_step(cls)
+    times = median_times(fns, step_args, repeats=args.repeats, warmup=3)
+    print(f"whole copy-model train step (configs/copy.yaml, batch {step_args[1].src.shape[0]}): "
+          f"attnjax {times['attnjax'] * 1e3:.2f} ms, flax {times['flax'] * 1e3:.2f} ms, "
+          f"flax / attnjax {times['flax'] / times['attnjax']:.2f}; temp MiB "
+          f"{temps['attnjax'] / 2**20:.1f} / {temps['flax'] / 2**20:.1f}")
 
 
 if __name__ == "__main__":

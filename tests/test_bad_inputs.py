@@ -39,7 +39,8 @@ def _zeros(*shape):
 @functools.cache
 def _decoder(positional="learned"):
     model = nn.DecoderOnly(nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2,
-                                                d_ff=24, max_len=8, positional=positional))
+                                                d_ff=24, max_len=8, positional=positional),
+                           deterministic=True)
     return model, jax.jit(model.init)(jax.random.key(5), jnp.ones((1, 4), jnp.int32))["params"]
 
 
@@ -47,7 +48,7 @@ def _decoder(positional="learned"):
 def _transformer():
     model = nn.Transformer(nn.TransformerConfig(src_vocab_size=7, tgt_vocab_size=9, d_model=16,
                                                 num_heads=2, d_ff=24, max_len=8,
-                                                positional="learned"))
+                                                positional="learned"), deterministic=True)
     tokens = jnp.ones((1, 3), jnp.int32)
     return model, jax.jit(model.init)(jax.random.key(6), tokens, tokens)["params"]
 

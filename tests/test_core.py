@@ -122,11 +122,11 @@ def test_gradients_float64_order_2(rng):
     bias = jax.random.normal(jax.random.fold_in(rng, 1), (T, S), jnp.float64)
     mask = jax.random.bernoulli(jax.random.fold_in(rng, 2), 0.7, (T, S)).at[:, 2].set(True)
     fn = lambda q, k, v, bias: attnjax.attention(q, k, v, mask=mask, bias=bias)  # noqa: E731
-    check_grads(fn, (q, k, v, bias), order=2, modes=("fwd", "rev"))
+    check_grads(jax.jit(fn), (q, k, v, bias), order=2, modes=("fwd", "rev"))
     w = jax.random.normal(jax.random.fold_in(rng, 3), (H, H), jnp.float64)
     general = lambda q, k, v, w: attnjax.attention(  # noqa: E731
         q, k, v, score_fn=functools.partial(attnjax.general_score, w=w))
-    check_grads(general, (q, k, v, w), order=2, modes=("fwd", "rev"))
+    check_grads(jax.jit(general), (q, k, v, w), order=2, modes=("fwd", "rev"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])

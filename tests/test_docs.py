@@ -30,7 +30,7 @@ def test_readme_quick_start_trains_then_tests_as_ci_does():
     assert quick_start is not None
     train, test = quick_start.group(1).strip().splitlines()
     assert train == 'pip install -e ".[dev]" && python train_toy.py'
-    assert test == 'pip install -e ".[dev]" && pytest'
+    assert test == 'pip install -e ".[dev,docs]" && pytest'
     assert test in ci
     assert (README.parent / "configs" / "copy.yaml").exists()   # train_toy.py's default
 

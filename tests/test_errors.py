@@ -73,7 +73,8 @@ MISTAKES = [
         _replace(params, "query", "bias", jnp.ones((4,), jnp.float32)), x),
      ValueError, r"params\['query'\]\['bias'\] must have shape \[N, H\] = \[4, 2\]; got \[4\]"),
     ("params_inputs", lambda: attnjax.multi_head_attention(params, x[..., :7]), ValueError,
-     r"params\['query'\]\['kernel'\] must have shape \[D, N, H\] = \[7, 4, 2\]; got \[8, 4, 2\]"),
+     r"inputs_q has 7 features \(its last axis, D\); these parameters project 8: "
+     r"params\['query'\]\['kernel'\] is \[8, 4, 2\]"),
     ("params_tree", lambda: attnjax.multi_head_attention({"query": params["query"]}, x), ValueError,
      r"params must be \{'query', 'key', 'value', 'out'\}.*got \['query'\]"),
     ("core_rank", lambda: attnjax.attention(q[0], k[0], v[0]), ValueError, r"q must have rank 2.*\[5, 6, 4\]"),

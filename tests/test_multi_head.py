@@ -108,4 +108,4 @@ def test_gradients_float64_order_2(rng):
     x, y = x[:, :3], y[:, :4]
     params = _random_params(rng, kv_features=DK, num_kv_heads=2, dtype=jnp.float64)
     fn = lambda p, x, y: attnjax.multi_head_attention(p, x, y, key_lengths=jnp.array([4, 2]))  # noqa: E731
-    check_grads(fn, (params, x, y), order=2, modes=("rev",))
+    check_grads(jax.jit(fn), (params, x, y), order=2, modes=("rev",))

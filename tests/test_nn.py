@@ -1,5 +1,7 @@
 """Layer 5: Flax modules, KV-cache decoding, models."""
 
+import functools
+
 import chex
 import flax.linen as flax_nn
 import jax
@@ -9,6 +11,7 @@ import pytest
 
 import attnjax
 from attnjax import nn
+from attnjax.nn import decoding
 
 B, T, S, D, DK, N = 2, 5, 7, 12, 10, 4
 
@@ -176,7 +179,7 @@ def test_sown_weights_have_a_shape_for_every_layer(rng):
     src, tgt = _tokens(rng, B, S, 11), _tokens(jax.random.fold_in(rng, 1), B, T, 13)
     params = model.init(rng, src, tgt)["params"]
     _, state = model.apply({"params": params}, src, tgt, sow_weights=True,
-                           mutable=["intermediates"])
+                           deterministic=True, mutable=["intermediates"])
     maps = nn.attention_maps(state["intermediates"])
     expected = {f"encoder/layer_{i}/self": (B, 2, S, S) for i in range(2)}
     expected |= {f"decoder/layer_{i}/self": (B, 2, T, T) for i in range(2)}
@@ -223,7 +226,7 @@ def test_post_ln_and_pre_ln_differ_and_run(rng):
     for pre_ln in (True, False):
         model = nn.Transformer(_transformer(pre_ln=pre_ln))
         params = model.init(rng, src, tgt)["params"]
-        outs.append(model.apply({"params": params}, src, tgt))
+        outs.append(model.apply({"params": params}, src, tgt, deterministic=True))
         chex.assert_shape(outs[-1], (B, T, 13))
         chex.assert_tree_all_finite(outs[-1])
     assert not np.allclose(outs[0], outs[1])
@@ -237,17 +240,19 @@ def test_greedy_decode_matches_step_by_step_full_recomputation(rng):
     params = _perturbed(model.init(rng, src, src[:, :3])["params"], rng, 0.5)
     out = nn.greedy_decode(model, params, src, src_lengths, max_len=6, bos_id=1, eos_id=2)
     chex.assert_shape(out, (B, 6))
-    # Without the cache: feed the whole prefix every step.
-    prefix = jnp.ones((B, 1), jnp.int32)
-    expected, done = [], np.zeros(B, bool)
-    for _ in range(6):
-        logits = model.apply({"params": params}, src, prefix, src_lengths)
-        token = np.asarray(jnp.argmax(logits[:, -1], -1))
+    # Without the cache: feed the whole prefix every step, padded to one length (the
+    # decoder is causal: what follows position i does not change its logits).
+    full = jax.jit(lambda prefix: model.apply({"params": params}, src, prefix, src_lengths,
+                                              deterministic=True))
+    prefix = np.zeros((B, 7), np.int32)
+    prefix[:, 0] = 1
+    done = np.zeros(B, bool)
+    for i in range(6):
+        token = np.asarray(jnp.argmax(full(jnp.asarray(prefix))[:, i], -1))
         token = np.where(done, 0, token)
         done |= token == 2
-        expected.append(token)
-        prefix = jnp.concatenate([prefix, jnp.asarray(token, jnp.int32)[:, None]], axis=1)
-    np.testing.assert_array_equal(out, np.stack(expected, 1))
+        prefix[:, i + 1] = token
+    np.testing.assert_array_equal(out, prefix[:, 1:])
 
 
 def test_generate_greedy_matches_full_forward_and_sampling_uses_the_rng(rng):
@@ -259,9 +264,10 @@ def test_generate_greedy_matches_full_forward_and_sampling_uses_the_rng(rng):
     out = nn.generate(model, params, prompt, max_new_tokens=5)
     chex.assert_shape(out, (B, 9))
     np.testing.assert_array_equal(out[:, :4], prompt)
-    for i in range(4, 9):
-        logits = model.apply({"params": params}, out[:, :i])
-        np.testing.assert_array_equal(out[:, i], jnp.argmax(logits[:, -1], -1))
+    # the whole sequence at once: causal, so position i − 1 predicts token i
+    logits = jax.jit(lambda tokens: model.apply({"params": params}, tokens,
+                                                deterministic=True))(out)
+    np.testing.assert_array_equal(out[:, 4:], jnp.argmax(logits[:, 3:-1], -1))
     a = nn.generate(model, params, prompt, max_new_tokens=5, temperature=1.0, rng=jax.random.key(1))
     b = nn.generate(model, params, prompt, max_new_tokens=5, temperature=1.0, rng=jax.random.key(1))
     np.testing.assert_array_equal(a, b)
@@ -280,3 +286,39 @@ def test_config_errors(kwargs, message):
     base = dict(src_vocab_size=11, tgt_vocab_size=13, num_heads=4)
     with pytest.raises(ValueError, match=message):
         nn.TransformerConfig(**(base | kwargs))
+
+
+def _dot_products_in_loop(closed) -> int:
+    """dot_generals inside the while loops of a jaxpr: the work of every step."""
+    def count(jaxpr, inside: bool) -> int:
+        total = 0
+        for eqn in jaxpr.eqns:
+            total += inside and eqn.primitive.name == "dot_general"
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        total += count(sub, inside or eqn.primitive.name == "while")
+        return total
+
+    return count(closed.jaxpr, False)
+
+
+def test_greedy_decode_projects_the_memory_once(rng):
+    """The cross-attentions keep the projected memory in the cache: the same tokens as
+    projecting it every step, with two fewer products per layer in each step."""
+    config = _transformer(num_kv_heads=1)
+    model = nn.Transformer(config)
+    src = _tokens(rng, B, S, 11)
+    src_lengths = jnp.array([S, 3], jnp.int32)
+    params = _perturbed(model.init(rng, src, src[:, :3])["params"], rng, 0.5)
+    kwargs = dict(max_len=7, bos_id=1, eos_id=2, pad_id=0)
+    once = nn.greedy_decode(model, params, src, src_lengths, **kwargs)
+    every = nn.greedy_decode(model, params, src, src_lengths, memory_cache=False, **kwargs)
+    np.testing.assert_array_equal(once, every)
+    products = [_dot_products_in_loop(jax.make_jaxpr(functools.partial(
+        decoding._greedy_decode, model, memory_cache=cached, **kwargs))(params, src, src_lengths))
+        for cached in (True, False)]
+    assert products[1] - products[0] == 2 * config.num_decoder_layers, products
+    with pytest.raises(TypeError, match="memory_cache must be a bool"):
+        nn.greedy_decode(model, params, src, src_lengths, memory_cache="yes", **kwargs)

@@ -47,7 +47,7 @@ def test_loss_is_smoothed_cross_entropy_over_target_tokens(setup, smoothing):
     model, params, batch = setup
     loss, _ = training.loss_and_metrics(params, batch, model, smoothing)
     logits = np.asarray(model.apply({"params": params}, batch.src, batch.tgt_in,
-                                    batch.src_lengths), np.float64)
+                                    batch.src_lengths, deterministic=True), np.float64)
     log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     vocab = logits.shape[-1]
     total, count = 0.0, 0
@@ -70,7 +70,8 @@ def test_decoder_only_loss_counts_target_tokens_only(float32):
     loss, metrics = training.loss_and_metrics(params, batch, model, 0.2)
     # the encoder–decoder's labels: each target and its eos, nothing of the prompt
     assert metrics["tokens"] == (examples.tgt_out != PAD).sum() == (batch.labels != PAD).sum()
-    logits = np.asarray(model.apply({"params": params}, batch.tokens), np.float64)
+    logits = np.asarray(model.apply({"params": params}, batch.tokens, deterministic=True),
+                        np.float64)
     log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     vocab = logits.shape[-1]
     rows, cols = np.nonzero(batch.labels != PAD)

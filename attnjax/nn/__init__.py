@@ -4,9 +4,10 @@
               flax's, with its fields, parameters, cache and auto-names
   layers      FeedForward, PositionalEncoding (sinusoidal or learned)
   models      EncoderBlock, DecoderBlock, Transformer, DecoderOnly, their configs,
-              attention_maps; segment ids and positions for packed sequences
+              attention_maps; segment ids and positions for packed sequences, a
+              padding mask for padded ones
   decoding    greedy_decode (encoder–decoder), generate (decoder-only, prompts of
-              different lengths left-padded)
+              different lengths left- or right-padded)
 """
 
 from attnjax.nn.attention import MultiHeadAttention, MultiHeadDotProductAttention

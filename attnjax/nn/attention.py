@@ -3,13 +3,15 @@
 A drop-in for `flax.linen.MultiHeadDotProductAttention` (and `MultiHeadAttention`): the
 same fields, call arguments, defaults, errors, parameter tree, auto-name and KV cache.
 The module holds the parameters and the cache; projections and attention are
-`attnjax.multi_head.project` and `attnjax.dot_product_attention`.
+`attnjax.multi_head.project` and `attnjax.dot_product_attention`, the cache's logic is
+`attnjax.kv_cache`. `engine_attention` and the helpers below it are what this module and
+`attnjax.nnx.MultiHeadAttention` share.
 """
 
 import contextlib
+import contextvars
 import functools
 import inspect
-import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -20,11 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attnjax import _checks, masks, multi_head, scores
+from attnjax import _checks, kv_cache, masks, multi_head, scores
 from attnjax.attention import dot_product_attention
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
-_LOG = logging.getLogger("attnjax")
 
 # attnjax's own fields, at their defaults: what attention_fn (flax's signature) cannot take.
 _ENGINE_FIELDS = {"is_causal": False, "window": None, "score_mod": None, "use_sinks": False,
@@ -49,6 +50,9 @@ class _Projection(nn.Module):
     @nn.compact
     def __call__(self, x):
         fan_in = x.shape[x.ndim - self.fan_in_axes:]
+        if self.has_variable("params", "kernel"):
+            _check_input_width(self.name, x, nn.unbox(self.get_variable("params", "kernel")),
+                               self.fan_in_axes)
         params = {"kernel": self.param(
             "kernel", multi_head.flat_fan_in_init(self.kernel_init, self.fan_in_axes),
             fan_in + self.features, self.param_dtype)}
@@ -63,6 +67,24 @@ class _Projection(nn.Module):
             dot_general = self.dot_general or lax.dot_general
         return multi_head.project(params, x, self.fan_in_axes, precision=self.precision,
                                   dot_general=dot_general)
+
+
+_PROJECTED = {"query": "inputs_q", "key": "inputs_k", "value": "inputs_v", "out": "the heads"}
+
+
+def _check_input_width(name: str, x, kernel, fan_in_axes: int) -> None:
+    """An input whose width does not match parameters that exist is named as the mistake
+    (flax would blame the parameter's shape)."""
+    width, got = tuple(kernel.shape[:fan_in_axes]), tuple(x.shape[x.ndim - fan_in_axes:])
+    if got != width:
+        given = _PROJECTED.get(name, f"the input of {name}")
+        features = ("features" if fan_in_axes == 1 else
+                    f"as its last {fan_in_axes} axes")
+        show = (lambda d: str(d[0])) if fan_in_axes == 1 else _checks.shape_str  # noqa: E731
+        raise ValueError(
+            f"{given} has {show(got)} {features}; the parameters of {name!r} take "
+            f"{show(width)} (kernel {_checks.shape_str(kernel.shape)}). Pass {given} with "
+            f"{show(width)}, or init the module on inputs with {show(got)}")
 
 
 class MultiHeadDotProductAttention(nn.Module):
@@ -94,7 +116,10 @@ class MultiHeadDotProductAttention(nn.Module):
     (applied to every call's logits, see `attnjax.scores`), use_sinks (a learned `[N]`
     sink logit per head, parameter "sinks"), implementation, and score: "scaled_dot"
     (default), "dot" (unscaled), "general" (q W_n kᵀ with a learned `[N, H, H]` W) or
-    "additive" (v_nᵀ tanh(W_q q + W_k k) with learned `[N, H, H]`, `[N, H, H]`, `[N, H]`).
+    "additive" (v_nᵀ tanh(W_q q + W_k k) with learned `[N, H, H]`, `[N, H, H]`, `[N, H]`),
+    and projection_activation: φ in q = φ_Q(X W^Q + b^Q) (likewise k, v), one callable
+    for all three or a (φ_Q, φ_K, φ_V) triple (None: the identity), applied before
+    normalize_qk and the cache.
 
     Where it differs from flax: a query that sees no key gets zeros (flax averages
     every value), dropout draws its masks differently (same distribution), and option
@@ -106,6 +131,21 @@ class MultiHeadDotProductAttention(nn.Module):
     or any number (a chunked prefill) that attend to everything cached so far
     (causally when is_causal). The cache describes itself by positions and its filled
     length, so a long cache decodes on the chunked kernel too.
+
+    With cache_key_value=True (cross-attention to a fixed memory while decoding), the
+    projected keys and values are kept in the "cache" collection as projected_key and
+    projected_value `[batch..., S, K, H|V]` by the first call that may write it; a call
+    that finds them there reuses them and does not read inputs_k / inputs_v. The
+    encoder–decoder's decoding (`attnjax.nn.greedy_decode`) projects its memory once
+    this way.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> mha = nn.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=2, is_causal=True)
+        >>> x = jnp.ones((2, 6, 32))                                       # [B, T, D]
+        >>> mha.apply(mha.init(jax.random.key(0), x), x).shape
+        (2, 6, 32)
     """
 
     num_heads: int
@@ -139,6 +179,8 @@ class MultiHeadDotProductAttention(nn.Module):
     use_sinks: bool = False
     implementation: str | None = None
     score: str = "scaled_dot"
+    projection_activation: Callable | tuple | None = None
+    cache_key_value: bool = False
 
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
@@ -163,9 +205,21 @@ class MultiHeadDotProductAttention(nn.Module):
                                 dot_general_cls=self.qkv_dot_general_cls)
         # [batch..., T, N, H]
         query = qkv(shapes["query"], name="query")(inputs_q)
-        # [batch..., S, K, H], [batch..., S, K, V]
-        key = qkv(shapes["key"], name="key")(inputs_k)
-        value = qkv(shapes["value"], name="value")(inputs_v)
+        if self.cache_key_value and self.has_variable("cache", "projected_key"):
+            # [batch..., S, K, H], [batch..., S, K, V]: projected by an earlier call
+            key = self.get_variable("cache", "projected_key")
+            value = self.get_variable("cache", "projected_value")
+            query, _, _ = multi_head.activate_projections(
+                self.projection_activation, query, key, value)
+        else:
+            # [batch..., S, K, H], [batch..., S, K, V]
+            key = qkv(shapes["key"], name="key")(inputs_k)
+            value = qkv(shapes["value"], name="value")(inputs_v)
+            query, key, value = multi_head.activate_projections(
+                self.projection_activation, query, key, value)
+            if self.cache_key_value and self.is_mutable_collection("cache"):
+                self.put_variable("cache", "projected_key", key)
+                self.put_variable("cache", "projected_value", value)
         if self.normalize_qk:
             # Normalised queries and keys train stably at higher learning rates (ViT-22B).
             ln = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
@@ -219,78 +273,36 @@ class MultiHeadDotProductAttention(nn.Module):
 
     def _engine(self, query, key, value, mask, cached, dropout_rate, dropout_rng,
                 sow_weights, dtype, attention_options):
-        """attnjax's engine on `[B, ·, ·, ·]`, several batch axes flattened into B."""
-        batch = query.shape[:-3]
-        visible = self._mask(mask, batch)
-        if cached is not None:
-            if attention_options.get("positions") is not None:
-                raise ValueError("positions= cannot be given with decode=True: the "
-                                 "cache places new tokens at its own index")
-            _, _, filled, positions = cached
-            visible = visible & masks.lengths(key=filled)
-            attention_options["positions"] = positions
-        if self.score_mod is not None:
-            attention_options["score_mod"] = self.score_mod
+        """attnjax's engine on the module's parameters and fields."""
+        sinks = None
         if self.use_sinks:
-            attention_options["sinks"] = self.param(
-                "sinks", nn.initializers.zeros_init(), (self.num_heads,), self.param_dtype)
-        if self.score == "dot":
-            attention_options["scale"] = 1.0
-        elif self.score in ("general", "additive"):
-            attention_options["alignment"] = self._alignment(query.shape[-1], dtype)
-        if len(batch) > 1:
-            # [B, T, N, H], [B, S, K, H], [B, S, K, V]
-            query, key, value = (x.reshape((-1,) + x.shape[len(batch):])
-                                 for x in (query, key, value))
-        with _matmul_precision(self.precision):
-            result = dot_product_attention(
-                query, key, value, mask=visible, dropout_rate=dropout_rate,
-                dropout_rng=dropout_rng, dropout_broadcast=self.broadcast_dropout,
-                return_weights=sow_weights, implementation=self.implementation,
-                **attention_options)
-        heads, weights = result if sow_weights else (result, None)
-        if len(batch) > 1:
-            # [batch..., T, N, V], weights [batch..., N, T, S]
-            heads = heads.reshape(batch + heads.shape[1:])
-            weights = None if weights is None else weights.reshape(batch + weights.shape[1:])
+            sinks = self.param("sinks", nn.initializers.zeros_init(), (self.num_heads,),
+                               self.param_dtype)
+        alignment = None
+        if self.score in ("general", "additive"):
+            alignment = alignment_of(self.score, {
+                name: self.param(name, init, shape, self.param_dtype) for name, (init, shape)
+                in alignment_params(self.score, self.num_heads, query.shape[-1]).items()}, dtype)
+        heads, weights = engine_attention(
+            query, key, value, mask, cached, is_causal=self.is_causal, window=self.window,
+            score=self.score, alignment=alignment, sinks=sinks, score_mod=self.score_mod,
+            dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            broadcast_dropout=self.broadcast_dropout, return_weights=sow_weights,
+            implementation=self.implementation, precision=self.precision,
+            attention_options=attention_options)
         if sow_weights:
             self.sow("intermediates", "attention_weights", weights)
         return heads
-
-    def _mask(self, mask, batch: tuple[int, ...]) -> masks.Mask:
-        """The module's is_causal and window and the call's mask, as one Mask."""
-        visible = masks.everything()
-        if isinstance(mask, masks.Mask):
-            visible = mask
-        elif mask is not None:
-            visible = masks.from_array(_flat_mask(mask, batch))
-        if self.is_causal:
-            visible = visible & masks.causal()
-        if self.window is not None:
-            visible = visible & masks.window(*_checks.resolve_window(self.window))
-        return visible
 
     def _flax_attention(self, query, key, value, mask, cached, dropout_rate, dropout_rng,
                         sow_weights, attention_options):
         """flax's attention call: attention_fn (or flax's own, for the einsum classes)
         with flax's keywords, filtered by its signature."""
-        engine_only = [f"{name}={getattr(self, name)!r}" for name, default in
-                       _ENGINE_FIELDS.items() if getattr(self, name) != default]
-        engine_only += [f"{name}=" for name in attention_options]
-        if isinstance(mask, masks.Mask):
-            engine_only.append(f"mask={mask!r}")
-        if engine_only:
-            raise ValueError(
-                "attention_fn and qk_attn_weights_einsum_cls/attn_weights_value_einsum_cls "
-                "replace attnjax's engine with flax's attention signature, which takes a "
-                "mask array only; got " + ", ".join(engine_only))
+        check_flax_signature(self, _ENGINE_FIELDS, attention_options, mask,
+                             "attention_fn and qk_attn_weights_einsum_cls/"
+                             "attn_weights_value_einsum_cls replace")
         if cached is not None:
-            # flax's cache mask: every filled slot, for each new token.
-            filled, capacity = cached[2], key.shape[-3]
-            # [batch..., 1, 1, S_cache]
-            filled_slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32) < filled,
-                                            query.shape[:-3] + (1, 1, capacity))
-            mask = nn.combine_masks(mask, filled_slots)
+            mask = nn.combine_masks(mask, kv_cache.filled_slots(cached, query.shape[:-3]))
         attention_fn = self.attention_fn or nn.dot_product_attention
         kwargs = dict(
             mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
@@ -307,58 +319,35 @@ class MultiHeadDotProductAttention(nn.Module):
             return attention_fn(query, key, value, **kwargs, module=self)
         return attention_fn(query, key, value, **kwargs)
 
-    def _alignment(self, h: int, dtype):
-        """(score_fn, per-head parameters) of the learned general or additive score."""
-        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        n = self.num_heads
-        if self.score == "general":
-            w = self.param("score_w", init, (n, h, h), self.param_dtype)
-            return scores.general_score, {"w": w.astype(dtype)}
-        params = {
-            "w_q": self.param("score_w_q", init, (n, h, h), self.param_dtype),
-            "w_k": self.param("score_w_k", init, (n, h, h), self.param_dtype),
-            "v": self.param("score_v", nn.initializers.normal(1.0 / math.sqrt(h)), (n, h),
-                            self.param_dtype),
-        }
-        return scores.additive_score, {k: p.astype(dtype) for k, p in params.items()}
-
-    def _update_cache(self, key, value):
-        """Append the new keys/values `[batch..., T, K, ·]` at the cache index: the
-        cached keys and values, the filled length, and the (query, key) positions — the
-        new queries at start..start+T−1, the cache slots at 0..S_cache−1; None on the
-        call that creates the cache."""
+    def _update_cache(self, key, value) -> kv_cache.Appended | None:
+        """Append the new keys/values `[batch..., T, K, ·]` to the "cache" collection
+        (`attnjax.kv_cache.append`); None on the call that creates the cache."""
         initialised = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         if not initialised:
             return None
-        cache_shape = cached_key.value.shape
-        if key.shape[:-3] != cache_shape[:-3] or key.shape[-2:] != cache_shape[-2:]:
-            expected = _checks.shape_str(cache_shape[:-3]) + " T " + _checks.shape_str(
-                cache_shape[-2:])
-            raise ValueError(
-                f"decode=True: new keys must have the cache's batch axes and heads, "
-                f"[batch..., T, K, H] = {expected}; got {_checks.shape_str(key.shape)}")
-        capacity, new = cache_shape[-3], key.shape[-3]
-        start = index.value
-        _check_room(start, new, capacity)
-        zero = jnp.int32(0)
-        at = (zero,) * (key.ndim - 3) + (start, zero, zero)
-        cached_key.value = lax.dynamic_update_slice(
-            cached_key.value, key.astype(cached_key.value.dtype), at)
-        cached_value.value = lax.dynamic_update_slice(
-            cached_value.value, value.astype(cached_value.value.dtype), at)
-        index.value = start + new
-        positions = (start + jnp.arange(new, dtype=jnp.int32),
-                     jnp.arange(capacity, dtype=jnp.int32))
-        return cached_key.value, cached_value.value, start + new, positions
+        appended = kv_cache.append(cached_key.value, cached_value.value, index.value, key, value)
+        cached_key.value, cached_value.value, index.value = appended[:3]
+        return appended
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):
-    """`MultiHeadDotProductAttention` under flax's other name: identical, but
+    """`MultiHeadDotProductAttention` under flax's other name.
+
+    `MultiHeadDotProductAttention` under flax's other name: identical, but
     auto-named `MultiHeadAttention_{i}` inside a parent, as flax's
-    `nn.MultiHeadAttention` is, so either flax class swaps for its namesake here."""
+    `nn.MultiHeadAttention` is, so either flax class swaps for its namesake here.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> mha = nn.MultiHeadAttention(num_heads=4)
+        >>> x = jnp.ones((2, 6, 32))                                       # [B, T, D]
+        >>> mha.apply(mha.init(jax.random.key(0), x), x).shape
+        (2, 6, 32)
+    """
 
 
 def _inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
@@ -450,21 +439,112 @@ def _matmul_precision(precision):
     return jax.default_matmul_precision(precision)
 
 
-def _check_room(start, new: int, capacity: int) -> None:
-    """Appending past the cache is a ValueError at trace time when the index is known.
+def check_flax_signature(module, engine_fields: dict, attention_options, mask,
+                         replaced_by: str) -> None:
+    """An attention function with flax's signature takes a mask array only: a module
+    field of attnjax's own not at its default, any engine keyword or a Mask is an error."""
+    engine_only = [f"{name}={getattr(module, name)!r}" for name, default in
+                   engine_fields.items() if getattr(module, name) != default]
+    engine_only += [f"{name}=" for name in attention_options]
+    if isinstance(mask, masks.Mask):
+        engine_only.append(f"mask={mask!r}")
+    if engine_only:
+        raise ValueError(f"{replaced_by} attnjax's engine with flax's attention signature, "
+                         "which takes a mask array only; got " + ", ".join(engine_only))
 
-    Under jit the index is known only when the step runs, where an exception could only
-    surface as an XLA INTERNAL error: the overrun is logged instead (logger "attnjax",
-    ERROR, on stderr by default), and the write stays inside the cache (XLA clamps the
-    update to the last slots), so the step's output is finite but no longer that of
-    the sequence. Size the cache for the longest sequence: `init` on a full-length
-    input."""
-    message = "KV cache overrun: {} new tokens at position {} exceed the cache length {}"
-    if isinstance(start, jax.core.Tracer):
-        def report(position):
-            if int(position) + new > capacity:
-                _LOG.error(message.format(new, int(position), capacity)
-                           + "; the tokens were written over the cache's last slots")
-        jax.debug.callback(report, start)
-    elif int(start) + new > capacity:
-        raise ValueError(message.format(new, int(start), capacity))
+
+def alignment_params(score: str, num_heads: int, head_dim: int) -> dict:
+    """{parameter name: (initialiser, shape)} of a learned score: "general" q W_n kᵀ, or
+    "additive" v_nᵀ tanh(W_q q + W_k k), each per head; {} for the dot scores."""
+    n, h = num_heads, head_dim
+    init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    if score == "general":
+        return {"score_w": (init, (n, h, h))}
+    if score == "additive":
+        return {"score_w_q": (init, (n, h, h)), "score_w_k": (init, (n, h, h)),
+                "score_v": (nn.initializers.normal(1.0 / math.sqrt(h)), (n, h))}
+    return {}
+
+
+def alignment_of(score: str, params: dict, dtype):
+    """The engine's (score_fn, per-head parameters) from `alignment_params`' values."""
+    params = {name.removeprefix("score_"): p.astype(dtype) for name, p in params.items()}
+    return (scores.general_score if score == "general" else scores.additive_score), params
+
+
+def module_mask(mask, batch: tuple[int, ...], is_causal: bool, window) -> masks.Mask:
+    """A module's is_causal and window and its call's mask (a flax array or a Mask), as
+    one Mask over the flattened batch."""
+    visible = masks.everything()
+    if isinstance(mask, masks.Mask):
+        visible = mask
+    elif mask is not None:
+        visible = masks.from_array(_flat_mask(mask, batch))
+    if is_causal:
+        visible = visible & masks.causal()
+    if window is not None:
+        visible = visible & masks.window(*_checks.resolve_window(window))
+    return visible
+
+
+# What engine_attention calls: attnjax.dot_product_attention, or the function of an
+# enclosing `attention_engine` (ring attention over a sequence-sharded mesh).
+_ENGINE = contextvars.ContextVar("attnjax.nn engine", default=dot_product_attention)
+
+
+@contextlib.contextmanager
+def attention_engine(fn: Callable):
+    """Within the block, every module's attention (linen and nnx, on attnjax's engine)
+    calls `fn(query, key, value, **keywords)` with `attnjax.dot_product_attention`'s
+    signature in its place. It applies when a model is traced: put it inside the
+    function that jax.jit compiles, e.g.
+    `with attention_engine(attnjax.parallel.context.ring_engine(mesh)): model.apply(...)`.
+    """
+    token = _ENGINE.set(fn)
+    try:
+        yield
+    finally:
+        _ENGINE.reset(token)
+
+
+def engine_attention(query, key, value, mask, cached: kv_cache.Appended | None, *,
+                     is_causal: bool, window, score: str, alignment, sinks, score_mod,
+                     dropout_rate: float, dropout_rng, broadcast_dropout: bool,
+                     return_weights: bool, implementation, precision, attention_options):
+    """attnjax's engine as both module APIs call it, on `[batch..., ·, ·, ·]` projections
+    with any number of batch axes (flattened into B for the engine): the heads
+    `[batch..., T, N, V]` and, with return_weights, the weights `[batch..., N, T, S]`
+    (else None). cached: the KV cache after this call's append."""
+    batch = query.shape[:-3]
+    visible = module_mask(mask, batch, is_causal, window)
+    attention_options = dict(attention_options)
+    if cached is not None:
+        if attention_options.get("positions") is not None:
+            raise ValueError("positions= cannot be given with decode=True: the "
+                             "cache places new tokens at its own index")
+        visible = kv_cache.visible(visible, cached)
+        attention_options["positions"] = cached.positions
+    if score_mod is not None:
+        attention_options["score_mod"] = score_mod
+    if sinks is not None:
+        attention_options["sinks"] = sinks
+    if score == "dot":
+        attention_options["scale"] = 1.0
+    elif alignment is not None:
+        attention_options["alignment"] = alignment
+    if len(batch) > 1:
+        # [B, T, N, H], [B, S, K, H], [B, S, K, V]
+        query, key, value = (x.reshape((-1,) + x.shape[len(batch):])
+                             for x in (query, key, value))
+    with _matmul_precision(precision):
+        result = _ENGINE.get()(
+            query, key, value, mask=visible, dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng, dropout_broadcast=broadcast_dropout,
+            return_weights=return_weights, implementation=implementation,
+            **attention_options)
+    heads, weights = result if return_weights else (result, None)
+    if len(batch) > 1:
+        # [batch..., T, N, V], weights [batch..., N, T, S]
+        heads = heads.reshape(batch + heads.shape[1:])
+        weights = None if weights is None else weights.reshape(batch + weights.shape[1:])
+    return heads, weights

@@ -55,14 +55,27 @@ def _empty_cache(model, *args, method=None):
 
 
 def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len: int,
-                  bos_id: int, eos_id: int, pad_id: int = 0):
+                  bos_id: int, eos_id: int, pad_id: int = 0, memory_cache: bool = True):
     """Greedy decoding: `src [B, S]` -> `[B, max_len]` target tokens (without BOS).
 
     Each sequence stops at its EOS (kept; pad after it); the loop stops when every
     sequence has, or at max_len. The encoder runs once; the decoder runs one token a
-    step on the KV cache. max_len must be at least 1 (and at most the model's max_len
+    step on the KV cache, and its cross-attentions project the encoder's memory once,
+    at the first step, and keep it in the cache (memory_cache=False: at every step,
+    the same tokens more slowly). max_len must be at least 1 (and at most the model's max_len
     with learned positions); the ids must be in the target vocabulary; src tokens and
     src_lengths (each in [1, S]) are checked when they are known, outside jit.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> model = nn.Transformer(nn.TransformerConfig(src_vocab_size=12, tgt_vocab_size=10,
+        ...                                             d_model=32, num_heads=4, d_ff=64))
+        >>> src = jnp.ones((2, 7), jnp.int32)                              # [B, S]
+        >>> params = model.init(jax.random.key(0), src, src[:, :3])["params"]
+        >>> nn.greedy_decode(model, params, src, jnp.array([7, 4]), max_len=5, bos_id=1,
+        ...                  eos_id=2).shape                               # [B, max_len]
+        (2, 5)
     """
     config = model.config
     _check_batch("src", src)
@@ -74,18 +87,25 @@ def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len:
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
         _check_id(name, value, config.tgt_vocab_size)
     _check_lengths("src_lengths", src_lengths, np.shape(src)[0], np.shape(src)[1])
+    if not isinstance(memory_cache, bool):
+        raise TypeError(f"memory_cache must be a bool; got {memory_cache!r}")
     return _greedy_decode(model, params, src, src_lengths, max_len=int(max_len),
-                          bos_id=int(bos_id), eos_id=int(eos_id), pad_id=int(pad_id))
+                          bos_id=int(bos_id), eos_id=int(eos_id), pad_id=int(pad_id),
+                          memory_cache=memory_cache)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_len", "bos_id", "eos_id", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("model", "max_len", "bos_id", "eos_id", "pad_id",
+                                             "memory_cache"))
 def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int,
-                   bos_id: int, eos_id: int, pad_id: int):
+                   bos_id: int, eos_id: int, pad_id: int, memory_cache: bool = True):
     b = src.shape[0]
+    model = model.clone(deterministic=True)   # decoding never drops out
     memory = model.apply({"params": params}, src, src_lengths, method=Transformer.encode)
     decoder = model.clone(decode=True)
-    cache = _empty_cache(decoder, memory, jnp.zeros((b, max_len), jnp.int32),
-                         method=_full_length_decoder)
+    # The self-attention caches, empty; the cross-attentions' projected memory is
+    # left out, for the first step to project and keep (every step, without memory_cache).
+    cache = _without_memory(_empty_cache(decoder, memory, jnp.zeros((b, max_len), jnp.int32),
+                                         method=_full_length_decoder))
 
     def step(state):
         i, tokens, last, done, cache = state
@@ -96,7 +116,8 @@ def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int
         token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
         token = jnp.where(done, pad_id, token)
         tokens = tokens.at[:, i].set(token)
-        return i + 1, tokens, token, done | (token == eos_id), variables["cache"]
+        cache = variables["cache"] if memory_cache else _without_memory(variables["cache"])
+        return i + 1, tokens, token, done | (token == eos_id), cache
 
     def running(state):
         i, _, _, done, _ = state
@@ -104,7 +125,15 @@ def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int
 
     init = (jnp.int32(0), jnp.full((b, max_len), pad_id, jnp.int32),
             jnp.full((b,), bos_id, jnp.int32), jnp.zeros((b,), bool), cache)
-    return lax.while_loop(running, step, init)[1]
+    # the first step (max_len >= 1) runs outside the loop: it adds the projected memory
+    return lax.while_loop(running, step, step(init))[1]
+
+
+def _without_memory(cache):
+    """The cache without the cross-attentions' projected memory."""
+    return {name: _without_memory(sub) if hasattr(sub, "items") else sub
+            for name, sub in cache.items()
+            if name not in ("projected_key", "projected_value")}
 
 
 def _full_length_decoder(module, memory, tgt):
@@ -113,18 +142,32 @@ def _full_length_decoder(module, memory, tgt):
 
 
 def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new_tokens: int,
-             temperature: float = 0.0, rng=None):
+             temperature: float = 0.0, rng=None, padding_side: str = "left"):
     """Continue `prompt [B, P]` by max_new_tokens: `[B, P + max_new_tokens]`.
 
     The prompt is prefilled in one call on the KV cache, then tokens come one at a
     time: the most likely (temperature 0) or sampled from softmax(logits / temperature)
-    with `rng`. Prompts of different lengths are left-padded: with prompt_lengths int
-    `[B]`, example b's prompt is its last prompt_lengths[b] tokens; its positions start
-    at 0 there and nothing attends to the padding before it.
+    with `rng`. Prompts of different lengths come padded, with prompt_lengths int `[B]`:
+    left-padded (padding_side="left", example b's prompt is its last prompt_lengths[b]
+    tokens; its row of the result is the padding, the prompt, then the new tokens) or
+    right-padded ("right": its first prompt_lengths[b] tokens; its row is the prompt,
+    the new tokens, then the padding). Either way its positions start at 0 at its first
+    token and nothing attends to the padding, so each example continues as it would
+    alone.
 
     max_new_tokens is an int >= 0 (P + max_new_tokens at most the model's max_len with
     learned positions), temperature a finite float >= 0; the prompt's tokens and
     prompt_lengths (each in [1, P]) are checked when they are known, outside jit.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> config = nn.DecoderOnlyConfig(vocab_size=16, d_model=32, num_heads=4, d_ff=64)
+        >>> lm = nn.DecoderOnly(config)
+        >>> prompt = jnp.array([[0, 5, 6], [7, 8, 9]])                     # left-padded, [B, P]
+        >>> params = lm.init(jax.random.key(0), prompt)["params"]
+        >>> nn.generate(lm, params, prompt, jnp.array([2, 3]), max_new_tokens=4).shape
+        (2, 7)
     """
     config = model.config
     _check_batch("prompt", prompt)
@@ -140,8 +183,27 @@ def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new
     if temperature > 0.0 and rng is None:
         raise ValueError(f"temperature={temperature} samples and needs an rng; got None")
     _check_lengths("prompt_lengths", prompt_lengths, b, p)
+    if padding_side not in PADDING_SIDES:
+        raise ValueError(f"padding_side must be one of {PADDING_SIDES}; got {padding_side!r}")
+    if padding_side == "right" and prompt_lengths is not None:
+        # [B]: each row turned about so that its padding comes first, and back after
+        shift = p - jnp.asarray(prompt_lengths, jnp.int32)
+        tokens = _generate(model, params, _roll_rows(jnp.asarray(prompt), shift),
+                           prompt_lengths, max_new_tokens=int(max_new_tokens),
+                           temperature=float(temperature), rng=rng)
+        return _roll_rows(tokens, -shift)
     return _generate(model, params, prompt, prompt_lengths, max_new_tokens=int(max_new_tokens),
                      temperature=float(temperature), rng=rng)
+
+
+PADDING_SIDES = ("left", "right")
+
+
+@jax.jit
+def _roll_rows(x, shift):
+    """Row b of `x [B, L]` rolled right by shift[b] (left when negative)."""
+    columns = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :] - shift[:, None]
+    return jnp.take_along_axis(x, columns % x.shape[1], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature"))
@@ -149,7 +211,7 @@ def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tok
               temperature: float, rng):
     b, p = prompt.shape
     rng = jax.random.key(0) if rng is None else rng
-    decoder = model.clone(decode=True)
+    decoder = model.clone(decode=True, deterministic=True)   # decoding never drops out
     total = p + max_new_tokens
     cache = _empty_cache(decoder, jnp.zeros((b, total), jnp.int32))
     # [B]: the cache slot of each example's first token

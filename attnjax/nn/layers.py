@@ -9,7 +9,16 @@ from jax import lax
 
 
 class FeedForward(nn.Module):
-    """Position-wise Dense(d_ff) → activation → dropout → Dense(d_model)."""
+    """Position-wise Dense(d_ff) → activation → dropout → Dense(d_model).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> ffn = nn.FeedForward(d_ff=64)
+        >>> x = jnp.ones((2, 5, 16))                                       # [B, L, D]
+        >>> ffn.apply(ffn.init(jax.random.key(0), x), x).shape
+        (2, 5, 16)
+    """
 
     d_ff: int
     dropout_rate: float = 0.0
@@ -27,7 +36,13 @@ class FeedForward(nn.Module):
 
 
 def sinusoids(length: int, d_model: int, offset=0) -> jnp.ndarray:
-    """`[L, D]` sin/cos encodings of positions offset..offset+L-1 (the 2017 paper's)."""
+    """`[L, D]` sin/cos encodings of positions offset..offset+L-1 (the 2017 paper's).
+
+    Examples:
+        >>> from attnjax import nn
+        >>> nn.sinusoids(10, 16).shape                                      # [L, D]
+        (10, 16)
+    """
     # [L]
     positions = offset + lax.broadcasted_iota(jnp.int32, (length,), 0)
     return _sinusoids_at(positions, d_model)
@@ -52,6 +67,14 @@ class PositionalEncoding(nn.Module):
     0..L−1 unless given: int `[B, L]`, e.g. restarting at each sequence packed into a row.
     With decode=True the module keeps its own count in the "cache" collection, so tokens
     fed a chunk at a time without positions get those of one full-length call.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> pe = nn.PositionalEncoding(max_len=32)
+        >>> x = jnp.zeros((2, 5, 16))                                      # [B, L, D]
+        >>> pe.apply(pe.init(jax.random.key(0), x), x).shape
+        (2, 5, 16)
     """
 
     max_len: int

@@ -14,7 +14,7 @@ import numpy as np
 
 from attnjax import _checks, masks, scores
 from attnjax.attention import IMPLEMENTATIONS as ENGINE_IMPLEMENTATIONS
-from attnjax.nn.attention import MultiHeadAttention
+from attnjax.nn.attention import SCORES, MultiHeadAttention
 from attnjax.nn.layers import FeedForward, PositionalEncoding
 
 POSITIONAL = ("sinusoidal", "learned", "none")
@@ -45,9 +45,20 @@ def _check_config(config) -> None:
     if config.attention_soft_cap is not None:
         scores.soft_cap(config.attention_soft_cap)  # checks the cap
     for name, allowed in (("positional", POSITIONAL), ("activation", ACTIVATIONS),
+                          ("attention_score", SCORES),
                           ("dtype", DTYPES), ("implementation", IMPLEMENTATIONS)):
         if getattr(config, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}; got {getattr(config, name)!r}")
+
+
+def _dtype_name(dtype) -> str:
+    """A config's dtype as its name: a string, a jnp/numpy dtype or scalar type alike."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        raise ValueError(f"dtype must be one of {DTYPES} (a name, or jnp.float32, ...); got "
+                         f"{dtype!r}") from None
+    return name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,7 +67,8 @@ class BlockConfig:
 
     attention_soft_cap: soft-cap every attention's logits at this value
     (`attnjax.scores.soft_cap`); attention_sinks: a learned sink logit per head in every
-    attention (parameter "sinks").
+    attention (parameter "sinks"); attention_score: every attention's alignment,
+    "scaled_dot" (default), "dot", "general" or "additive" (`MultiHeadAttention.score`).
     """
 
     d_model: int = 128
@@ -73,14 +85,26 @@ class BlockConfig:
     dtype: str = "float32"
     attention_soft_cap: float | None = None
     attention_sinks: bool = False
+    attention_score: str = "scaled_dot"
 
     def __post_init__(self):
+        # jnp.bfloat16 and "bfloat16" are one config (equal, hashable, written as a name)
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
         _check_config(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig(BlockConfig):
-    """An encoder–decoder Transformer (separate source and target vocabularies)."""
+    """An encoder–decoder Transformer (separate source and target vocabularies).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> config = nn.TransformerConfig(src_vocab_size=20, tgt_vocab_size=16, d_model=32,
+        ...                               num_heads=4, dtype=jnp.bfloat16)
+        >>> config.dtype, config.d_model // config.num_heads   # the dtype, H of [B, T, N, H]
+        ('bfloat16', 8)
+    """
 
     src_vocab_size: int
     tgt_vocab_size: int
@@ -97,7 +121,14 @@ class TransformerConfig(BlockConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderOnlyConfig(BlockConfig):
-    """A decoder-only language model."""
+    """A decoder-only language model.
+
+    Examples:
+        >>> from attnjax import nn
+        >>> config = nn.DecoderOnlyConfig(vocab_size=16, d_model=32, num_heads=4)
+        >>> config.num_layers, config.d_model // config.num_heads    # layers, H of [B, T, N, H]
+        (2, 8)
+    """
 
     vocab_size: int
     num_layers: int = 2
@@ -110,7 +141,8 @@ def _attention(config, name: str, **kw) -> MultiHeadAttention:
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
         dropout_rate=config.attention_dropout_rate, implementation=config.implementation,
         score_mod=None if cap is None else scores.soft_cap(cap),
-        use_sinks=config.attention_sinks, dtype=jnp.dtype(config.dtype), name=name, **kw)
+        use_sinks=config.attention_sinks, score=config.attention_score,
+        dtype=jnp.dtype(config.dtype), name=name, **kw)
 
 
 class _Residual(nn.Module):
@@ -133,15 +165,50 @@ def _feed_forward(config, x, deterministic):
         x, lambda h: ffn(h, deterministic=deterministic), deterministic=deterministic)
 
 
+def _deterministic(module, deterministic: bool | None) -> bool:
+    """flax's convention: `deterministic` given to the constructor or to the call, not
+    both. A module with dropout needs one of them when it is applied, so that dropout is
+    never silently off in training; `init` (whose parameters dropout does not change) and
+    a module without dropout are deterministic either way."""
+    c = module.config
+    if deterministic is None and module.deterministic is None:
+        if (c.dropout_rate == 0.0 and c.attention_dropout_rate == 0.0) or (
+                module.is_initializing()):
+            return True
+        raise ValueError(
+            f"{type(module).__name__} has dropout (dropout_rate={c.dropout_rate}, "
+            f"attention_dropout_rate={c.attention_dropout_rate}), so deterministic is "
+            f"required: False to train (with rngs={{'dropout': key}}), True to evaluate, "
+            f"given to the call or the constructor; got neither")
+    return nn.merge_param("deterministic", module.deterministic, deterministic)
+
+
 class EncoderBlock(nn.Module):
-    """Self-attention over the source, then the feed-forward network."""
+    """Self-attention over the source, then the feed-forward network.
+
+    deterministic: as in flax, here or at the call (required when the config has
+    dropout): False applies dropout, with a "dropout" rng.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> config = nn.TransformerConfig(src_vocab_size=8, tgt_vocab_size=8, d_model=32,
+        ...                               num_heads=4, d_ff=64, dropout_rate=0.1)
+        >>> block = nn.EncoderBlock(config)
+        >>> x = jnp.ones((2, 5, 32), jnp.float32)                          # [B, S, D]
+        >>> params = block.init(jax.random.key(0), x)["params"]
+        >>> block.apply({"params": params}, x, deterministic=True).shape
+        (2, 5, 32)
+    """
 
     config: Any
+    deterministic: bool | None = None
 
     @nn.compact
-    def __call__(self, x, *, mask=None, positions=None, deterministic=True, sow_weights=False):
+    def __call__(self, x, *, mask=None, positions=None, deterministic=None, sow_weights=False):
         """x `[B, S, D]` -> `[B, S, D]`. mask: the self-attention's `attnjax.Mask` (or a
         bool array); positions: int `[B, S]`, what its order rules read."""
+        deterministic = _deterministic(self, deterministic)
         attend = _attention(self.config, "self")
         x = _Residual(self.config, name="self_residual")(
             x, lambda h: attend(h, mask=mask, positions=_pair(positions),
@@ -151,18 +218,35 @@ class EncoderBlock(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """Causal self-attention, cross-attention to the encoder (when given), feed-forward."""
+    """Causal self-attention, cross-attention to the encoder (when given), feed-forward.
+
+    deterministic: as in flax, here or at the call (required when the config has
+    dropout).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> config = nn.TransformerConfig(src_vocab_size=8, tgt_vocab_size=8, d_model=32,
+        ...                               num_heads=4, d_ff=64, dropout_rate=0.0)
+        >>> block = nn.DecoderBlock(config)
+        >>> x = jnp.ones((2, 3, 32), jnp.float32)                          # [B, T, D]
+        >>> memory = jnp.ones((2, 5, 32), jnp.float32)                     # [B, S, D]
+        >>> block.apply(block.init(jax.random.key(0), x, memory), x, memory).shape
+        (2, 3, 32)
+    """
 
     config: Any
     decode: bool = False
+    deterministic: bool | None = None
 
     @nn.compact
     def __call__(self, x, memory=None, *, mask=None, memory_mask=None, positions=None,
-                 deterministic=True, sow_weights=False):
+                 deterministic=None, sow_weights=False):
         """x `[B, T, D]`, memory `[B, S, D]` -> `[B, T, D]`. mask: what the causal
         self-attention hides besides the future (an `attnjax.Mask` or bool array);
         memory_mask: the cross-attention's; positions: int `[B, T]`, what the causal
         mask reads (the KV cache reads its own)."""
+        deterministic = _deterministic(self, deterministic)
         attend = _attention(self.config, "self", is_causal=True, decode=self.decode)
         # the KV cache places its tokens by its own index
         self_positions = None if self.decode else _pair(positions)
@@ -171,7 +255,8 @@ class DecoderBlock(nn.Module):
                                 deterministic=deterministic, sow_weights=sow_weights),
             deterministic=deterministic)
         if memory is not None:
-            cross = _attention(self.config, "cross")
+            # decoding projects the memory once and keeps it in the cache
+            cross = _attention(self.config, "cross", cache_key_value=self.decode)
             x = _Residual(self.config, name="cross_residual")(
                 x, lambda h: cross(h, memory, mask=memory_mask, deterministic=deterministic,
                                    sow_weights=sow_weights),
@@ -194,7 +279,7 @@ class _Stack(nn.Module):
 
     @nn.compact
     def __call__(self, x, memory=None, *, mask=None, memory_mask=None, positions=None,
-                 deterministic=True, sow_weights=False):
+                 deterministic: bool, sow_weights=False):
         for i in range(self.num_layers):
             if self.encoder:
                 x = EncoderBlock(self.config, name=f"layer_{i}")(
@@ -246,7 +331,7 @@ class _Embed(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, tokens, positions=None, *, deterministic=True, embed=None):
+    def __call__(self, tokens, positions=None, *, deterministic: bool, embed=None):
         embed = embed or nn.Embed(self.vocab_size, self.config.d_model,
                                   embedding_init=_embedding_init(self.config), name="tokens")
         # [B, L]: flax's lookup fills an out-of-range id's row with NaN (and wraps -1 to
@@ -276,11 +361,23 @@ class Transformer(nn.Module):
     `[B, S]` and tgt_segment_ids `[B, T]` (int; target segment i reads source segment i
     only) and src_positions / tgt_positions (int, restarting in each segment) place
     several examples in one row. With decode=True, `decode` runs on a KV cache (see
-    `attnjax.nn.greedy_decode`).
+    `attnjax.nn.greedy_decode`). deterministic: as in flax, here or at the call
+    (required when the config has dropout): False applies dropout, with a "dropout" rng.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax.nn import Transformer, TransformerConfig
+        >>> config = TransformerConfig(src_vocab_size=20, tgt_vocab_size=16, d_model=32,
+        ...                            num_heads=4, d_ff=64, dropout_rate=0.0)
+        >>> src, tgt = jnp.ones((2, 9), jnp.int32), jnp.ones((2, 5), jnp.int32)  # [B, S], [B, T]
+        >>> params = Transformer(config).init(jax.random.key(0), src, tgt)["params"]
+        >>> Transformer(config).apply({"params": params}, src, tgt).shape       # [B, T, V]
+        (2, 5, 16)
     """
 
     config: TransformerConfig
     decode: bool = False
+    deterministic: bool | None = None
 
     def setup(self):
         c = self.config
@@ -295,31 +392,24 @@ class Transformer(nn.Module):
         self.logits = nn.Dense(c.tgt_vocab_size, name="logits")
 
     def encode(self, src, src_lengths=None, *, src_segment_ids=None, src_positions=None,
-               deterministic=True, sow_weights=False):
+               deterministic=None, sow_weights=False):
         """`[B, S]` tokens -> `[B, S, D]` memory."""
+        deterministic = _deterministic(self, deterministic)
         check_tokens(self.config, "src", src, self.config.src_vocab_size, src_positions)
-        mask = masks.everything()
-        if src_lengths is not None:
-            mask = mask & masks.lengths(query=src_lengths, key=src_lengths)
-        if src_segment_ids is not None:
-            mask = mask & masks.segments(src_segment_ids)
+        mask = source_mask(src_lengths, src_segment_ids)
         x = self.src_embed(src, src_positions, deterministic=deterministic, embed=self.shared)
         return self.encoder(x, mask=mask, positions=src_positions, deterministic=deterministic,
                             sow_weights=sow_weights)
 
     def decode_logits(self, tgt, memory, src_lengths=None, *, tgt_segment_ids=None,
-                      src_segment_ids=None, tgt_positions=None, deterministic=True,
+                      src_segment_ids=None, tgt_positions=None, deterministic=None,
                       sow_weights=False):
         """`[B, T]` target tokens and `[B, S, D]` memory -> `[B, T, V_tgt]` logits."""
+        deterministic = _deterministic(self, deterministic)
         _both("tgt_segment_ids", tgt_segment_ids, "src_segment_ids", src_segment_ids)
         check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size,
                       None if self.decode else tgt_positions)
-        mask, memory_mask = masks.everything(), masks.everything()
-        if src_lengths is not None:
-            memory_mask = masks.lengths(key=src_lengths)
-        if tgt_segment_ids is not None:
-            mask = masks.segments(tgt_segment_ids)
-            memory_mask = memory_mask & masks.segments(tgt_segment_ids, src_segment_ids)
+        mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids)
         x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, embed=self.shared)
         x = self.decoder(x, memory, mask=mask, memory_mask=memory_mask, positions=tgt_positions,
                          deterministic=deterministic, sow_weights=sow_weights)
@@ -327,7 +417,8 @@ class Transformer(nn.Module):
 
     def __call__(self, src, tgt, src_lengths=None, *, src_segment_ids=None,
                  tgt_segment_ids=None, src_positions=None, tgt_positions=None,
-                 deterministic=True, sow_weights=False):
+                 deterministic=None, sow_weights=False):
+        """`src [B, S]`, `tgt [B, T]` -> `[B, T, V_tgt]` logits (see the class)."""
         memory = self.encode(src, src_lengths, src_segment_ids=src_segment_ids,
                              src_positions=src_positions, deterministic=deterministic,
                              sow_weights=sow_weights)
@@ -339,26 +430,43 @@ class Transformer(nn.Module):
 class DecoderOnly(nn.Module):
     """A causal language model: `tokens [B, L] -> logits [B, L, V]`.
 
-    segment_ids `[B, L]` (int) packs several sequences into a row: a token sees the
-    earlier tokens of its own segment only; positions `[B, L]` (int, restarting in each
-    segment) feed the positional encoding and the causal mask. mask hides more keys: an
-    `attnjax.Mask` or a bool array broadcastable to `[B, N, L, S]`, with S the cache
-    length when decode=True (`attnjax.nn.generate` hides left padding this way).
+    padding_mask `[B, L]` (bool, True = a token) batches sequences of different lengths,
+    left- or right-padded: nothing attends to padding, and positions count the tokens
+    only, so each sequence gets the logits it gets alone (those at padding mean
+    nothing). segment_ids `[B, L]` (int) packs several sequences into a row: a token
+    sees the earlier tokens of its own segment only; positions `[B, L]` (int, restarting
+    in each segment) feed the positional encoding and the causal mask. mask hides more
+    keys: an `attnjax.Mask` or a bool array broadcastable to `[B, N, L, S]`, with S the
+    cache length when decode=True (`attnjax.nn.generate` hides padding this way).
+    deterministic: as in flax, here or at the call (required when the config has
+    dropout): False applies dropout, with a "dropout" rng.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax.nn import DecoderOnly, DecoderOnlyConfig
+        >>> lm = DecoderOnly(DecoderOnlyConfig(vocab_size=16, d_model=32, num_heads=4,
+        ...                                    d_ff=64, dropout_rate=0.1))
+        >>> tokens = jnp.array([[5, 6, 7, 0], [0, 0, 8, 9]])      # right- and left-padded
+        >>> padding = tokens != 0
+        >>> params = lm.init(jax.random.key(0), tokens, deterministic=True)["params"]
+        >>> lm.apply({"params": params}, tokens, padding_mask=padding,
+        ...          deterministic=True).shape                      # [B, L, V]
+        (2, 4, 16)
     """
 
     config: DecoderOnlyConfig
     decode: bool = False
+    deterministic: bool | None = None
 
     @nn.compact
-    def __call__(self, tokens, *, segment_ids=None, positions=None, mask=None,
-                 deterministic=True, sow_weights=False):
+    def __call__(self, tokens, *, padding_mask=None, segment_ids=None, positions=None,
+                 mask=None, deterministic=None, sow_weights=False):
+        """`tokens [B, L]` -> `[B, L, V]` logits (see the class)."""
         c = self.config
+        deterministic = _deterministic(self, deterministic)
         check_tokens(c, "tokens", tokens, c.vocab_size, None if self.decode else positions)
-        visible = masks.everything()
-        if mask is not None:
-            visible = mask if isinstance(mask, masks.Mask) else masks.from_array(mask)
-        if segment_ids is not None:
-            visible = visible & masks.segments(segment_ids)
+        visible, positions = sequence_mask(tokens, mask, padding_mask, segment_ids, positions,
+                                           self.decode)
         x = _Embed(c, c.vocab_size, self.decode, name="embed")(
             tokens, positions, deterministic=deterministic)
         x = _Stack(c, c.num_layers, encoder=False, decode=self.decode, name="decoder")(
@@ -367,11 +475,78 @@ class DecoderOnly(nn.Module):
         return nn.Dense(c.vocab_size, name="logits")(x.astype(jnp.float32))
 
 
+def source_mask(src_lengths, src_segment_ids) -> masks.Mask:
+    """The encoder's self-attention Mask: source padding and packed segments."""
+    mask = masks.everything()
+    if src_lengths is not None:
+        mask = mask & masks.lengths(query=src_lengths, key=src_lengths)
+    if src_segment_ids is not None:
+        mask = mask & masks.segments(src_segment_ids)
+    return mask
+
+
+def target_masks(src_lengths, tgt_segment_ids, src_segment_ids) -> tuple[masks.Mask, masks.Mask]:
+    """The decoder's (self-attention, cross-attention) Masks besides causality."""
+    mask, memory_mask = masks.everything(), masks.everything()
+    if src_lengths is not None:
+        memory_mask = masks.lengths(key=src_lengths)
+    if tgt_segment_ids is not None:
+        mask = masks.segments(tgt_segment_ids)
+        memory_mask = memory_mask & masks.segments(tgt_segment_ids, src_segment_ids)
+    return mask, memory_mask
+
+
+def sequence_mask(tokens, mask, padding_mask, segment_ids, positions, decode: bool):
+    """The decoder-only model's (Mask besides causality, positions) from its arguments."""
+    visible = masks.everything()
+    if mask is not None:
+        visible = mask if isinstance(mask, masks.Mask) else masks.from_array(mask)
+    if padding_mask is not None:
+        padding_mask = _check_padding_mask(padding_mask, tokens, decode)
+        # [B, 1, 1, L]: padding is never a key
+        visible = visible & masks.from_array(padding_mask[:, None, None, :])
+        if positions is None:
+            # [B, L]: each sequence from 0 at its first token (padding repeats a
+            # neighbour's position, unseen)
+            positions = jnp.maximum(jnp.cumsum(padding_mask, axis=1, dtype=jnp.int32) - 1, 0)
+    if segment_ids is not None:
+        visible = visible & masks.segments(segment_ids)
+    return visible, positions
+
+
+def _check_padding_mask(padding_mask, tokens, decode: bool):
+    """A bool `[B, L]` of the tokens' shape, as a jnp array."""
+    if decode:
+        raise ValueError("padding_mask applies to whole sequences; with decode=True, hide "
+                         "padding with mask= over the cache, as attnjax.nn.generate does")
+    dtype = getattr(padding_mask, "dtype", None)
+    if dtype != jnp.bool_:
+        raise TypeError(f"padding_mask must be a bool array [B, L] (True = a token); got "
+                        f"{dtype if dtype is not None else type(padding_mask).__name__}")
+    if np.shape(padding_mask) != np.shape(tokens):
+        raise ValueError(f"padding_mask must have the shape of tokens [B, L] = "
+                         f"{_checks.shape_str(np.shape(tokens))}; got "
+                         f"{_checks.shape_str(np.shape(padding_mask))}")
+    return jnp.asarray(padding_mask)
+
+
 def attention_maps(intermediates) -> dict:
     """Sown weights as `{"encoder/layer_0/self": [B, N, T, S], ...}`.
 
     Pass `intermediates` from `model.apply(..., sow_weights=True,
     mutable=["intermediates"])`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> lm = nn.DecoderOnly(nn.DecoderOnlyConfig(vocab_size=16, d_model=32, num_heads=4,
+        ...                                          d_ff=64, num_layers=1, dropout_rate=0.0))
+        >>> tokens = jnp.ones((2, 5), jnp.int32)
+        >>> params = lm.init(jax.random.key(0), tokens)["params"]
+        >>> _, state = lm.apply({"params": params}, tokens, sow_weights=True,
+        ...                     mutable=["intermediates"])
+        >>> {k: v.shape for k, v in nn.attention_maps(state["intermediates"]).items()}
+        {'decoder/layer_0/self': (2, 4, 5, 5)}
     """
     maps = {}
 

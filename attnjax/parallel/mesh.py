@@ -1,11 +1,13 @@
 """Meshes and the Megatron layout of the Transformer's parameters.
 
-A mesh always has the axes "data" and "model" (size 1 when unused): batches are split
-over "data"; attention and feed-forward parameters over "model" — the query, key and
-value kernels and the output kernel by heads, the feed-forward input kernel by output
-units and its output kernel by input units — so each device holds 1/M of every large
-matrix and XLA's SPMD partitioner inserts the collectives. The optimiser state follows
-the parameters it belongs to (its leaves have the same paths).
+A mesh always has the axes "data", "model" and "seq" (size 1 when unused): batches are
+split over "data"; attention and feed-forward parameters over "model" — the query, key
+and value kernels and the output kernel by heads, the feed-forward input kernel by
+output units and its output kernel by input units — so each device holds 1/M of every
+large matrix and XLA's SPMD partitioner inserts the collectives; sequences over "seq"
+(context parallelism, `attnjax.parallel.context`: attention runs as a ring over it,
+everything else where its tokens are). The optimiser state follows the parameters it
+belongs to (its leaves have the same paths); parameters are whole on every "seq" device.
 """
 
 import math
@@ -14,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "model")
+AXES = ("data", "model", "seq")
 
 # (module name, parameter name) -> how to split it; everything else is replicated.
 _MEGATRON = {
@@ -32,29 +34,40 @@ _MEGATRON = {
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """"data=2,model=2" -> {"data": 2, "model": 2}."""
+    """"data=2,seq=2" -> {"data": 2, "seq": 2}."""
     shape = {}
     for part in text.split(","):
         name, sep, size = part.partition("=")
         name = name.strip()
         if not sep or name not in AXES or not size.strip().isdigit() or int(size) < 1:
-            raise ValueError(f"--mesh expects axis=size pairs over {AXES}, e.g. data=2,model=2; "
-                             f"got {text!r}")
+            raise ValueError(f"--mesh expects axis=size pairs over {AXES}, e.g. data=2,model=2 "
+                             f"or data=2,seq=2; got {text!r}")
         if name in shape:
             raise ValueError(f"--mesh names axis {name!r} twice; got {text!r}")
         shape[name] = int(size)
     return shape
 
 
+def _more_devices_hint(count: int) -> str:
+    """How to get `count` devices: on a CPU, XLA emulates them."""
+    if jax.default_backend() != "cpu":
+        return f" ({jax.default_backend()} devices visible to this process)"
+    return (f" (on a CPU, emulate them: set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{count} before the program starts)")
+
+
 def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
-    """A ("data", "model") mesh over `devices` (default: all); by default all on "data"."""
+    """A ("data", "model", "seq") mesh over `devices` (default: all); by default all on
+    "data". A mesh smaller than the devices takes the first of them, when its size
+    divides their number (in one process: with several, every process takes part)."""
     devices = jax.devices() if devices is None else list(devices)
     shape = {"data": len(devices)} if shape is None else dict(shape)
     sizes = tuple(shape.get(axis, 1) for axis in AXES)
-    if math.prod(sizes) != len(devices):
-        raise ValueError(f"the mesh {shape} needs {math.prod(sizes)} devices; there are "
-                         f"{len(devices)}")
-    return Mesh(np.asarray(devices).reshape(sizes), AXES)
+    size = math.prod(sizes)
+    if len(devices) % size or (size < len(devices) and jax.process_count() > 1):
+        raise ValueError(f"the mesh {shape} needs {size} devices; there are "
+                         f"{len(devices)}{_more_devices_hint(size)}")
+    return Mesh(np.asarray(devices[:size]).reshape(sizes), AXES)
 
 
 def _names(path) -> tuple[str, ...]:
@@ -88,9 +101,11 @@ def shardings(tree, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) axis split over "data"."""
-    return NamedSharding(mesh, PartitionSpec("data"))
+def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
+    """Leading (batch) axis split over "data"; for `[B, L, ...]` arrays (ndim ≥ 2) the
+    sequence axis too, over "seq"."""
+    return NamedSharding(mesh, PartitionSpec("data", "seq") if ndim >= 2 else
+                         PartitionSpec("data"))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

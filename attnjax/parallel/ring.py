@@ -10,12 +10,12 @@ kernel, and the partial results are combined by their log-sum-exp; after P steps
 device holds the exact attention of its queries over the whole sequence. Nothing larger
 than a shard is ever formed.
 
-Skipping. Before each step the mask's own block classifier, with the whole shard as one
-block, says whether any query of this device sees any key of the visiting shard (for
-any example and head); a step that sees nothing is skipped (`lax.cond`). Within a step
-the kernel skips the invisible blocks itself, so the zig-zag layout's two chunks per
-shard need no special case: with chunks a multiple of the kernel's blocks (512), no
-block straddles two chunks.
+Skipping. Before each step the mask's own block classifier, with each half of a
+shard as one block, says whether any query of this device sees any key of the
+visiting shard (for any example and head); a step that sees nothing is skipped
+(`lax.cond`). Within a step the kernel skips the invisible blocks itself, so the
+zig-zag layout's two chunks per shard need no special case: with chunks a multiple of
+the kernel's blocks (256 here), no block straddles two chunks.
 
 The backward pass is a custom VJP that saves only the output and the log-sum-exp
 (O(T/P) per device) and runs the ring again: the key/value shards travel with their
@@ -29,11 +29,14 @@ work (with contiguous shards device P − 1 does P times device 0's). `zigzag` /
 does all of this for global `[B, T, N, H]` arrays on a mesh.
 """
 
+from __future__ import annotations
+
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
@@ -41,7 +44,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 from attnjax import _checks, chunked, heads, masks
 from attnjax.attention import map_heads
 from attnjax.core import MASKED
-from attnjax.masks import SKIP, Grid, Mask, Shape
+from attnjax.masks import SKIP, Grid, Mask, Shape, pad_axis
 from attnjax.scores import Score, _logits_dtype
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -61,60 +64,105 @@ def _shard_positions(index, num_shards: int, length: int, layout: str) -> Int[Ar
 # One step: this device's queries against the key/value shard it holds.
 
 
-def _sees(query, key, value, mask: Mask) -> Bool[Array, ""]:
-    """Whether any query of this shard may see any key of the visiting one, in any
-    example or head: the mask's block classifier with one block per shard."""
+def head_major(x: Float[Array, "B S K D"]) -> Float[Array, "B K 1 S D"]:
+    """Keys or values `[B, S, K, ·]` as `[B, K, 1, S, ·]`, the layout of the kernel's
+    block products: the ring carries them so, one copy per call, not one per step."""
+    return jnp.moveaxis(x, 1, 2)[:, :, None]
+
+
+def _sees(query, key, mask: Mask) -> Bool[Array, ""]:
+    """Whether any query of this shard may see any key of the visiting one (head-major
+    `[B, K, 1, S, H]`), in any example or head: the mask's block classifier with one
+    block per half shard (a zig-zag shard's two chunks lie far apart: one range over
+    both would hide the gap)."""
 
     def shard_class(q, k, v, mask):
         t, s = q.shape[0], k.shape[0]
-        return (mask.classify(mask.blocks(Grid(t, s, t, s)))[0, 0],)
+        grid = Grid(t, s, t // 2 if t % 2 == 0 else t, s // 2 if s % 2 == 0 else s)
+        return (jnp.any(mask.classify(mask.blocks(grid)) != SKIP),)
 
+    # [B, S, K, 0]: the keys' sizes, without their values
+    sizes = jnp.zeros((key.shape[0], key.shape[3], key.shape[1], 0), query.dtype)
     # [B, K, G]
-    (classes,) = map_heads(shard_class, query, key, value, (mask,), rows_first=(False,))
-    return jnp.any(classes != SKIP)
+    (sees,) = map_heads(shard_class, query, sizes, sizes, (mask,), rows_first=(False,))
+    return jnp.any(sees)
+
+
+# The ring's kernel blocks: a block of logits of all heads at once (the ring does not
+# split the heads into groups) of 256 × 256 stays in cache and holds half the
+# temporaries of 512 × 512; measured ~7% slower on a 2-core CPU (benchmarks/ring.py).
+RING_BLOCK = 256
 
 
 def _block_sizes(t: int, s: int) -> tuple[int | None, int | None]:
     """Kernel blocks that divide each half of a shard where they can, so that no block
     straddles the two chunks of a zig-zag shard (and misses the skipping)."""
     def fit(length):
-        size = math.gcd(chunked.DEFAULT_BLOCK_Q, max(length // 2, 1))
+        size = math.gcd(RING_BLOCK, max(length // 2, 1))
         return size if size >= 64 else None
     return fit(t), fit(s)
 
 
 def _grouped(query, key, mask: Mask, score: Score):
-    """Queries as `[B, T, K, G, H]` and the mask and score laid out per head."""
+    """Queries as `[B, T, K, G, H]` and the mask and score laid out per head; key
+    head-major `[B, K, 1, S, H]`."""
     b, t, n, h = query.shape
-    kv_heads = key.shape[2]
+    kv_heads = key.shape[1]
     mask, score = heads.group((mask, score), n, kv_heads)
     return query.reshape(b, t, kv_heads, n // kv_heads, h), mask, score
 
 
+def _padded_rows(t: int, s: int) -> int:
+    """The kernel's query rows, T padded to whole blocks."""
+    block_q = chunked.block_sizes(t, s, *_block_sizes(t, s))[0]
+    return -(-t // block_q) * block_q
+
+
+def _heads_first(x, kv_heads: int, t_padded: int):
+    """`[B, T, N, ·]` (or `[B, T, N]`) -> heads first `[B, K, G, Tp, ·]`, padded."""
+    b, t, n = x.shape[:3]
+    x = pad_axis(x.reshape((b, t, kv_heads, n // kv_heads) + x.shape[3:]), t_padded, 1)
+    return jnp.moveaxis(x, 1, 3)
+
+
+def _rows_first(x, t: int):
+    """The inverse of `_heads_first`: `[B, K, G, Tp, ·]` -> `[B, T, N, ·]`."""
+    b, kv_heads, g = x.shape[:3]
+    return jnp.moveaxis(x[:, :, :, :t], 3, 1).reshape((b, t, kv_heads * g) + x.shape[4:])
+
+
 def _attend_shard(query, key, value, mask: Mask, score: Score):
-    """Output `[B, N, T, V]` and log-sum-exp `[B, N, T]`, both in the accumulation
-    dtype (float32, or float64), of the queries against one key/value shard."""
-    b, t, n, _ = query.shape
+    """Output `[B, K, G, Tp, V]` and log-sum-exp `[B, K, G, Tp]`, both in the
+    accumulation dtype (float32, or float64), of the queries against one key/value
+    shard: heads first and padded, as the kernel holds them (no copy per step)."""
     grouped, mask, score = _grouped(query, key, mask, score)
-    # [B, T, K, G, V], [B, T, K, G]
     out, lse = chunked.forward_with_lse(grouped, key, value, mask, score,
-                                        _block_sizes(t, key.shape[1]))
-    out = jnp.moveaxis(out.reshape(b, t, n, -1), 1, 2)
-    return out.astype(lse.dtype), jnp.moveaxis(lse.reshape(b, t, n), 1, 2)
+                                        _block_sizes(query.shape[1], key.shape[3]),
+                                        rows_first=False)
+    return out.astype(lse.dtype), lse
 
 
 def _shard_grads(query, key, value, mask: Mask, score: Score, out, lse, d_out):
-    """float32 `(d_query [B, T, N, H], d_key [B, S, K, H], d_value [B, S, K, V])` of
-    one key/value shard's share of the rows; out `[B, N, T, V]`, lse `[B, N, T]` and
-    d_out `[B, N, T, V]` are of the whole rows."""
-    b, t, n, h = query.shape
+    """float32 `(d_query [B, K, G, Tp, H], d_key [B, S, K, H], d_value [B, S, K, V])` of
+    one key/value shard's share of the rows; out `[B, K, G, Tp, V]`, lse `[B, K, G, Tp]`
+    and d_out `[B, K, G, Tp, V]` (heads first, padded) are of the whole rows."""
     grouped, mask, score = _grouped(query, key, mask, score)
-    # [B, N, T, ·] -> [B, T, K, G, ·]
-    rows = lambda x: jnp.moveaxis(x, 2, 1).reshape(grouped.shape[:4] + x.shape[3:])  # noqa: E731
-    d_q, d_k, d_v = chunked.backward_with_lse(grouped, key, value, mask, score, rows(out),
-                                              rows(lse), rows(d_out),
-                                              _block_sizes(t, key.shape[1]))
-    return d_q.reshape(b, t, n, h), d_k, d_v
+    return chunked.backward_with_lse(grouped, key, value, mask, score, out, lse, d_out,
+                                     _block_sizes(query.shape[1], key.shape[3]),
+                                     rows_first=False)
+
+
+def visit_shard(query, key, value, mask: Mask, score: Score, out, lse):
+    """One ring step: the running output `[B, K, G, Tp, V]` and log-sum-exp
+    `[B, K, G, Tp]` (heads first, padded; accumulation dtype) of this device's queries
+    `[B, T, N, H]` with the key/value shard it holds folded in, or as they are, without
+    running the kernel, when the classifier says no query sees any key of it (a skipped
+    step). key and value head-major, `[B, K, 1, S, ·]` (`head_major`); mask bound to the
+    shard's positions. Folding inside the branch leaves XLA no step's output to hold."""
+    return lax.cond(
+        _sees(query, key, mask),
+        lambda: _combine(out, lse, *_attend_shard(query, key, value, mask, score)),
+        lambda: (out, lse))
 
 
 def _combine(out, lse, block_out, block_lse):
@@ -122,7 +170,7 @@ def _combine(out, lse, block_out, block_lse):
     by its share of the rows' total mass. A part that saw nothing has lse = MASKED and
     weight exp(MASKED − total) = 0; a row that saw nothing keeps zeros and an lse at
     MASKED (to rounding), which `chunked.backward_with_lse` reads as nothing seen."""
-    # [B, N, T]: finite, as both parts are
+    # [B, K, G, Tp]: finite, as both parts are
     total = jnp.logaddexp(lse, block_lse)
     mine, theirs = jnp.exp(lse - total), jnp.exp(block_lse - total)
     return out * mine[..., None] + block_out * theirs[..., None], total
@@ -133,52 +181,56 @@ def _combine(out, lse, block_out, block_lse):
 
 
 def _ring_forward(query, key, value, mask: Mask, axis_name, score: Score):
-    """Output `[B, N, T, V]` in the input dtype and log-sum-exp `[B, N, T]`."""
+    """Output `[B, T, N, V]` in the input dtype, and the output and log-sum-exp heads
+    first and padded (`[B, K, G, Tp, V]` in the input dtype, `[B, K, G, Tp]`) for the
+    backward pass."""
     p = lax.axis_size(axis_name)
     b, t, n, _ = query.shape
+    kv_heads = key.shape[2]
     acc = _logits_dtype(value.dtype)
     ring = [(i, (i + 1) % p) for i in range(p)]
 
-    def fold(key, value, key_side, out, lse):
-        """Folds the key/value shard held now, with its key-side mask arrays."""
-        visiting = mask.with_key_side(key_side)
-        part = lax.cond(
-            _sees(query, key, value, visiting),
-            lambda: _attend_shard(query, key, value, visiting, score),
-            lambda: (jnp.zeros(out.shape, acc), jnp.full(lse.shape, MASKED, acc)))
-        return _combine(out, lse, *part)
-
     def step_and_pass(_, carry):
         key, value, key_side, out, lse = carry
-        out, lse = fold(key, value, key_side, out, lse)
+        # the key/value shard held now, with its key-side mask arrays
+        out, lse = visit_shard(query, key, value, mask.with_key_side(key_side), score, out,
+                               lse)
         key, value, key_side = lax.ppermute((key, value, key_side), axis_name, ring)
         return key, value, key_side, out, lse
 
-    # [B, N, T, V], [B, N, T]
-    out = jnp.zeros((b, n, t, value.shape[-1]), acc)
-    lse = jnp.full((b, n, t), MASKED, acc)
-    key, value, key_side, out, lse = lax.fori_loop(
-        0, p - 1, step_and_pass, (key, value, mask.key_side(), out, lse))
-    out, lse = fold(key, value, key_side, out, lse)   # the last shard needs no passing on
-    return out.astype(query.dtype), lse
+    # [B, K, G, Tp, V], [B, K, G, Tp]
+    rows = (b, kv_heads, n // kv_heads, _padded_rows(t, key.shape[1]))
+    out = jnp.zeros(rows + (value.shape[-1],), acc)
+    lse = jnp.full(rows, MASKED, acc)
+    # [B, K, 1, S, ·]
+    key, value = head_major(key), head_major(value)
+    # P steps in one loop body (one copy of the kernel to compile): the last passing on
+    # returns the shards home, unused
+    out, lse = lax.fori_loop(0, p, step_and_pass, (key, value, mask.key_side(), out, lse))[3:]
+    out = out.astype(query.dtype)
+    return _rows_first(out, t), out, lse
 
 
 def _ring_backward(query, key, value, mask: Mask, axis_name, score: Score, out, lse,
                    d_out):
     """float32 (d_query, d_key, d_value); d_key/d_value travel with their shard and
-    end at home."""
+    end at home. out and lse heads first and padded, as `_ring_forward` gives them."""
     p = lax.axis_size(axis_name)
+    t = query.shape[1]
     acc = _logits_dtype(value.dtype)
     ring = [(i, (i + 1) % p) for i in range(p)]
+    # [B, K, G, Tp, V]
+    d_out = _heads_first(d_out, key.shape[2], out.shape[3])
 
     def accumulate(key, value, key_side, d_key, d_value, d_query):
         """Adds the gradients of this device's rows' share in the shard held now."""
         visiting = mask.with_key_side(key_side)
-        d_q, d_k, d_v = lax.cond(
-            _sees(query, key, value, visiting),
-            lambda: _shard_grads(query, key, value, visiting, score, out, lse, d_out),
-            lambda: tuple(jnp.zeros(x.shape, acc) for x in (query, key, value)))
-        return d_key + d_k, d_value + d_v, d_query + d_q
+
+        def add():
+            d_q, d_k, d_v = _shard_grads(query, key, value, visiting, score, out, lse, d_out)
+            return d_key + d_k, d_value + d_v, d_query + d_q
+
+        return lax.cond(_sees(query, key, visiting), add, lambda: (d_key, d_value, d_query))
 
     def step_and_pass(_, carry):
         key, value, key_side, d_key, d_value, d_query = carry
@@ -187,13 +239,15 @@ def _ring_backward(query, key, value, mask: Mask, axis_name, score: Score, out, 
             (key, value, key_side, d_key, d_value), axis_name, ring)
         return key, value, key_side, d_key, d_value, d_query
 
-    d_key, d_value, d_query = (jnp.zeros(x.shape, acc) for x in (key, value, query))
-    key, value, key_side, d_key, d_value, d_query = lax.fori_loop(
-        0, p - 1, step_and_pass, (key, value, mask.key_side(), d_key, d_value, d_query))
-    d_key, d_value, d_query = accumulate(key, value, key_side, d_key, d_value, d_query)
-    # the accumulators take the last hop home; the keys and values are done
-    d_key, d_value = lax.ppermute((d_key, d_value), axis_name, ring)
-    return d_query, d_key, d_value
+    # [B, S, K, ·], [B, K, G, Tp, H]
+    d_key, d_value = (jnp.zeros(x.shape, acc) for x in (key, value))
+    d_query = jnp.zeros(out.shape[:4] + query.shape[3:], acc)
+    # [B, K, 1, S, ·]
+    key, value = head_major(key), head_major(value)
+    # after P steps the accumulators have come home with their shards
+    d_key, d_value, d_query = lax.fori_loop(
+        0, p, step_and_pass, (key, value, mask.key_side(), d_key, d_value, d_query))[3:]
+    return _rows_first(d_query, t), d_key, d_value
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -202,8 +256,8 @@ def _ring(query, key, value, mask, axis_name, scale):
 
 
 def _ring_fwd(query, key, value, mask, axis_name, scale):
-    out, lse = _ring_forward(query, key, value, mask, axis_name, Score(scale))
-    return out, (query, key, value, mask, out, lse)
+    out, heads_out, lse = _ring_forward(query, key, value, mask, axis_name, Score(scale))
+    return out, (query, key, value, mask, heads_out, lse)
 
 
 def _ring_bwd(axis_name, scale, residuals, d_out):
@@ -269,6 +323,18 @@ def ring_attention(
     Returns:
       `[B, T, N, V]` in the input dtype: this shard's rows of the attention over the
       whole sequence. A query that sees no key gets zeros, and zero gradients.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh, PartitionSpec
+        >>> from attnjax.parallel import ring_attention
+        >>> mesh = Mesh(np.asarray(jax.devices()), ("seq",))
+        >>> q = k = v = jnp.ones((1, 8 * len(jax.devices()), 2, 8))       # [B, T, N, H]
+        >>> spec = PartitionSpec(None, "seq", None, None)
+        >>> attend = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="seq"),
+        ...                        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+        >>> attend(q, k, v).shape == q.shape
+        True
     """
     _check(query, key, value, layout)
     mask = _ring_mask(mask, is_causal)
@@ -280,9 +346,8 @@ def ring_attention(
         positions = (_shard_positions(me, p, t, layout) + p * (s - t),
                      _shard_positions(me, p, s, layout))
     bound = mask.bind(Shape(b, t, s, n), positions)
-    # [B, N, T, V]
-    out = _ring(query, key, value, bound, axis_name, _checks.resolve_scale(scale, h))
-    return jnp.transpose(out, (0, 2, 1, 3))
+    # [B, T, N, V]
+    return _ring(query, key, value, bound, axis_name, _checks.resolve_scale(scale, h))
 
 
 def _check(query, key, value, layout: str) -> None:
@@ -342,26 +407,44 @@ def _ring_mask(mask, is_causal: bool) -> Mask:
 
 
 def zigzag(x, num_shards: int, axis: int = 1):
-    """Reorders the sequence axis so that contiguous shard i holds chunks i and
-    2P − 1 − i of 2P equal chunks (P = num_shards): the causal-balanced layout."""
-    return jnp.take(x, _zigzag_order(x.shape[axis], num_shards), axis=axis)
+    """Reorders the sequence axis into the causal-balanced zig-zag layout.
+
+    Reorders the sequence axis so that contiguous shard i holds chunks i and
+    2P − 1 − i of 2P equal chunks (P = num_shards): the causal-balanced layout.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from attnjax.parallel import zigzag
+        >>> zigzag(jnp.arange(8)[None], num_shards=2).tolist()             # chunks 0, 3 | 1, 2
+        [[0, 1, 6, 7, 2, 3, 4, 5]]
+    """
+    return jnp.take(x, zigzag_order(x.shape[axis], num_shards), axis=axis)
 
 
 def unzigzag(x, num_shards: int, axis: int = 1):
-    """The inverse of `zigzag`."""
-    order = _zigzag_order(x.shape[axis], num_shards)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
-    return jnp.take(x, inverse, axis=axis)
+    """The inverse of `zigzag`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from attnjax.parallel import unzigzag, zigzag
+        >>> x = jnp.arange(8)[None]
+        >>> bool((unzigzag(zigzag(x, 2), 2) == x).all())
+        True
+    """
+    return jnp.take(x, np.argsort(zigzag_order(x.shape[axis], num_shards)), axis=axis)
 
 
-def _zigzag_order(length: int, num_shards: int):
+def zigzag_order(length: int, num_shards: int) -> np.ndarray:
+    """int32 `[length]`: the original index of each slot of the zig-zag layout
+    (`zigzag(x)[:, j] = x[:, order[j]]`)."""
     chunks = 2 * num_shards
     if length % chunks:
         raise ValueError(f"the zigzag layout needs a length divisible by 2P={chunks}; got "
                          f"{length}")
     size = length // chunks
     order = [c for i in range(num_shards) for c in (i, chunks - 1 - i)]
-    return jnp.concatenate([jnp.arange(c * size, (c + 1) * size) for c in order])
+    return np.concatenate([np.arange(c * size, (c + 1) * size, dtype=np.int32)
+                           for c in order])
 
 
 def ring_self_attention(
@@ -407,6 +490,15 @@ def ring_self_attention(
 
     Returns:
       `[B, T, N, V]` in the input dtype.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh
+        >>> from attnjax.parallel import ring_self_attention
+        >>> mesh = Mesh(np.asarray(jax.devices()), ("seq",))
+        >>> q = k = v = jnp.ones((1, 8 * len(jax.devices()), 2, 8))       # [B, T, N, H]
+        >>> ring_self_attention(q, k, v, mesh, is_causal=True).shape == q.shape
+        True
     """
     _checks.check_rank("query", query, (4,), "[B, T, N, H]")
     b, t = query.shape[:2]

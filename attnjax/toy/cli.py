@@ -1,9 +1,12 @@
 """`train_toy.py` / `attnjax-train`: train a toy task, resumably.
 
-    python train_toy.py                                  # configs/copy.yaml -> runs/copy
-    python train_toy.py --config configs/dates.yaml --set optim.learning_rate=1e-3
+    attnjax-train                                        # the shipped copy config -> runs/copy
+    attnjax-train --config dates --set optim.learning_rate=1e-3
+    attnjax-train --config my_config.yaml                # a file of your own
+    python train_toy.py --set steps=1200                 # the same program, from a clone
     python train_toy.py --set model.kind=decoder_only --set data.pack=true
     python train_toy.py --mesh data=2,model=2            # 4 devices: data and heads split
+    python train_toy.py --mesh data=2,seq=2              # 4 devices: data and sequences split
     python train_toy.py --coordinator 127.0.0.1:1234 --num-processes 2 --process-id 0
 
 Rerunning the same command in the same workdir resumes from the latest intact
@@ -33,20 +36,31 @@ from jax.experimental import multihost_utils
 
 from attnjax.nn import DecoderOnly, attention_maps
 from attnjax.parallel import mesh as mesh_lib
-from attnjax.toy import make_task
+from attnjax.toy import make_task, sequence_parallel
 from attnjax.toy import train as training
 from attnjax.toy.checkpoints import DAMAGED, CheckpointError, Checkpoints
-from attnjax.toy.config import Config, ConfigError, dump_config, load_config
-from attnjax.toy.report import MetricsLog, Progress, plot_attention, plot_curves, write_samples
+from attnjax.toy.config import (
+    DEFAULT_CONFIG,
+    Config,
+    ConfigError,
+    dump_config,
+    load_config,
+    shipped_configs,
+)
+from attnjax.toy.report import (
+    EVENT_FILES,
+    MetricsLog,
+    Progress,
+    plot_attention,
+    plot_curves,
+    write_samples,
+)
 from attnjax.toy.sequences import DecoderOnlyFormat
 from attnjax.toy.tasks import BOS, EOS
 
-DEFAULT_CONFIG = Path("configs/copy.yaml")
-
-
 # What a run leaves in its workdir; --force-new deletes these and nothing else.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.txt", "attention.png", "curves.png",
-             "checkpoints", DAMAGED)
+RUN_FILES = ("config.yaml", "metrics.jsonl", EVENT_FILES, "samples.txt", "attention.png",
+             "curves.png", "checkpoints", DAMAGED)
 LOCK = ".lock"
 # What an interrupted run says when it stops before its first step.
 BEFORE_TRAINING = "before the first step; this run saved nothing"
@@ -80,8 +94,9 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 def _check_workdir_config(workdir: Path, config: Config) -> None:
     """A workdir holds one run, of one config (seed included): continuing it with
-    another is an error. A key the saved config lacks (written before the key existed)
-    has its default."""
+    another is an error, but for a larger `steps`, which continues the run (finished
+    or not) to the new last step. A key the saved config lacks (written before the key
+    existed) has its default."""
     saved_path = workdir / "config.yaml"
     if not saved_path.exists():
         return
@@ -98,11 +113,15 @@ def _check_workdir_config(workdir: Path, config: Config) -> None:
     default = _flatten(dataclasses.asdict(Config()))
     differ = sorted(k for k in saved.keys() | current.keys()
                     if saved.get(k, default.get(k)) != current.get(k))
+    saved_steps = saved.get("steps", default["steps"])
+    if "steps" in differ and isinstance(saved_steps, int) and current["steps"] > saved_steps:
+        differ.remove("steps")   # a longer run of the same config: continued
     if differ:
         values = "; ".join(f"{k}={saved.get(k, default.get(k))!r} there, {current.get(k)!r} "
                            f"here" for k in differ)
+        grow = "; steps may only grow, which continues the run" if "steps" in differ else ""
         raise ConfigError(f"{workdir} holds a run with another config (it differs in "
-                          f"{', '.join(differ)}): {values}; {advice}")
+                          f"{', '.join(differ)}{grow}): {values}; {advice}")
 
 
 def _lock_workdir(workdir: Path) -> int:
@@ -141,8 +160,7 @@ def _claim_workdir(workdir: Path, config: Config, force_new: bool) -> int | None
         if primary:
             lock = _lock_workdir(workdir)
             if force_new:
-                for name in RUN_FILES:
-                    path = workdir / name
+                for path in [p for name in RUN_FILES for p in workdir.glob(name)]:
                     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         _check_workdir_config(workdir, config)
         if primary:
@@ -254,7 +272,8 @@ def _plot_attention(path: Path, model, params, task, eval_batch, predictions) ->
     # Only the dense kernel materialises the weights; the parameters are the same.
     model = type(model)(dataclasses.replace(model.config, implementation="dense"))
     # One compiled call: the model's many small ops run eagerly take seconds.
-    apply = jax.jit(functools.partial(model.apply, sow_weights=True, mutable=["intermediates"]))
+    apply = jax.jit(functools.partial(model.apply, sow_weights=True, deterministic=True,
+                                      mutable=["intermediates"]))
     length = int(eval_batch.src_lengths[0])
     predicted = list(predictions[0])
     predicted = predicted[: predicted.index(EOS) + 1] if EOS in predicted else predicted
@@ -307,6 +326,7 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
     if config.batch_size % mesh.shape["data"]:
         raise ConfigError(f"batch_size={config.batch_size} must be divisible by the mesh's "
                           f"data axis ({mesh.shape['data']} devices)")
+    sequence_parallel.check(config, mesh)
     if config.model.implementation == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"model.implementation=cudnn needs a GPU; this run has "
                           f"{jax.default_backend()}")
@@ -337,7 +357,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
         raise ConfigError(str(e)) from None
     stop.stop_if_requested(BEFORE_TRAINING)
     train_step = training.make_train_step(model, optimizer, config.optim, config.steps,
-                                          config.seed, state, mesh)
+                                          config.seed, state, mesh, api=config.model.api)
     eval_batch = training.eval_set(task, config)
 
     try:
@@ -368,7 +388,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
         best = saved.get("best", {"exact_match": -1.0, "step": None})
         progress = Progress(config.steps, start, interactive, enabled=primary)
         if start:
-            progress.message(f"resuming {workdir} from step {start}")
+            progress.message(f"resuming {workdir} from step {start} of {config.steps}")
             stop.stop_if_requested(f"before training resumed from step {start}; this run "
                                    f"saved nothing new: rerun the same command to resume")
         else:
@@ -451,11 +471,14 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
 
 
 def _parser() -> argparse.ArgumentParser:
+    # prog: argparse's default, the name this program was run by (attnjax-train or
+    # train_toy.py)
     parser = argparse.ArgumentParser(
-        prog="train_toy.py", description="Train a Transformer on a toy task (copy, reverse, "
-        "sort, dates); rerun the same command to resume.")
-    parser.add_argument("--config", type=Path, default=None,
-                        help=f"YAML config (default {DEFAULT_CONFIG})")
+        description="Train a Transformer on a toy task (copy, reverse, sort, dates); rerun "
+        "the same command to resume.")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME|PATH",
+                        help=f"a shipped config by name ({', '.join(shipped_configs())}) or "
+                        f"a YAML file (default {DEFAULT_CONFIG})")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY.SUB=VALUE", help="override a config value (repeatable)")
     parser.add_argument("--workdir", type=Path, default=None,
@@ -465,13 +488,36 @@ def _parser() -> argparse.ArgumentParser:
                         help="delete the run the workdir holds (checkpoints, metrics, "
                         "outputs) and start anew, whatever its config")
     parser.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
-                        help="device mesh over data and model, e.g. data=2,model=2 (default: "
-                        "every device on data); results match a one-device run")
+                        help="device mesh over data, model (heads) and seq (each sequence "
+                        "split, attention as a ring), e.g. data=2,model=2 or data=2,seq=2 "
+                        "(default: every device on data); results match a one-device run")
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="several processes: process 0's address (jax.distributed)")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
     return parser
+
+
+def use_compilation_cache() -> Path | None:
+    """Compiled programs persist between runs, so a rerun, a resumed run or another
+    run of the same shapes skips most of its compilation: in $JAX_COMPILATION_CACHE_DIR
+    when that is set (jax reads it), else in the user's cache directory
+    ($XDG_CACHE_HOME or ~/.cache, then attnjax/jax). JAX_ENABLE_COMPILATION_CACHE=false
+    turns it off. Returns the directory used, or None."""
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    directory = user_cache / "attnjax" / "jax"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable home: every run compiles
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    # programs that compile faster than this are not worth a file
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return directory
 
 
 def _initialize_distributed(args) -> None:
@@ -486,13 +532,6 @@ def _initialize_distributed(args) -> None:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 
-def _default_config() -> Path:
-    """configs/copy.yaml here, or beside the package in a source checkout."""
-    if DEFAULT_CONFIG.exists():
-        return DEFAULT_CONFIG
-    return Path(__file__).resolve().parents[2] / DEFAULT_CONFIG
-
-
 def main(argv=None, *, early_signals=()) -> int:
     """The command line; returns the exit status. early_signals: SIGINT/SIGTERM numbers
     received before main ran (train_toy.py catches them while the libraries load)."""
@@ -500,10 +539,11 @@ def main(argv=None, *, early_signals=()) -> int:
         args = _parser().parse_args(argv)
         overrides = args.overrides + ([f"seed={args.seed}"] if args.seed is not None else [])
         try:
-            config = load_config(args.config or _default_config(), overrides)
+            config = load_config(args.config, overrides)
             workdir = args.workdir or Path("runs") / config.task.name
             stop.stop_if_requested(BEFORE_TRAINING)
             _initialize_distributed(args)
+            use_compilation_cache()
             try:
                 mesh = mesh_lib.make_mesh(None if args.mesh is None else
                                           mesh_lib.parse_mesh(args.mesh))
@@ -525,6 +565,7 @@ def main(argv=None, *, early_signals=()) -> int:
           f"accuracy {summary['token_accuracy']:.2%} on {summary['eval_size']} sequences after "
           f"{summary['steps']} steps ({summary['seconds']:.1f} s); best exact match "
           f"{summary['best']['exact_match']:.2%} at step {summary['best']['step']}. Outputs in "
-          f"{summary['workdir']}/: config.yaml, metrics.jsonl, checkpoints/, samples.txt, "
+          f"{summary['workdir']}/: config.yaml, metrics.jsonl (and TensorBoard's events: "
+          f"tensorboard --logdir {summary['workdir']}), checkpoints/, samples.txt, "
           f"attention.png, curves.png")
     return 0

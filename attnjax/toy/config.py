@@ -23,6 +23,7 @@ from attnjax.toy.tasks import MAX_SYMBOLS
 TASKS = ("copy", "reverse", "sort", "dates")
 SCHEDULES = ("cosine", "inverse_sqrt")
 KINDS = ("encoder_decoder", "decoder_only")
+APIS = ("linen", "nnx")
 
 
 # The step counter, the seeds of the data streams and `jax.random.key` are 32-bit.
@@ -78,10 +79,13 @@ class ModelConfig(BlockConfig):
     kind "encoder_decoder": a `Transformer` with num_encoder_layers and
     num_decoder_layers. kind "decoder_only": a `DecoderOnly` whose num_decoder_layers
     layers read source, separator and target as one causal sequence (num_encoder_layers
-    unused).
+    unused). api "linen" trains the `attnjax.nn` model, "nnx" its `attnjax.nnx`
+    counterpart on the same parameters (drawn by the linen model's init, so a seed gives
+    the same run in either API).
     """
 
     kind: str = "encoder_decoder"
+    api: str = "linen"
     num_encoder_layers: int = 2
     num_decoder_layers: int = 2
     max_len: int = 64
@@ -165,6 +169,8 @@ class Config:
                                   f"{getattr(self, name)}")
         if self.model.kind not in KINDS:
             raise ConfigError(f"model.kind must be one of {KINDS}; got {self.model.kind!r}")
+        if self.model.api not in APIS:
+            raise ConfigError(f"model.api must be one of {APIS}; got {self.model.api!r}")
         src_len, tgt_len = task_lengths(self.task)
         if self.model.kind == "decoder_only":
             longest, what = src_len + tgt_len + 1, "of source, separator and target"
@@ -255,10 +261,38 @@ def apply_override(data: dict, override: str) -> None:
     node[leaf] = value
 
 
+# The configs shipped with the package, by name: `--config dates` is configs/dates.yaml.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+DEFAULT_CONFIG = "copy"
+
+
+def shipped_configs() -> list[str]:
+    """The names of the configs shipped with attnjax (`copy`, `dates`, ...)."""
+    return sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
+
+
+def resolve_config(name_or_path: str | Path) -> Path:
+    """The config file `--config` names: an existing path, else a shipped config's name
+    (with or without `.yaml`). Neither is a `ConfigError` listing the shipped names."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    stem = path.name.removesuffix(".yaml")
+    if path.parent == Path() and stem in shipped_configs():
+        return SHIPPED_CONFIGS / f"{stem}.yaml"
+    shipped = ", ".join(shipped_configs())
+    hint = (f"; the shipped {stem!r} is --config {stem}" if stem in shipped_configs() else "")
+    raise ConfigError(f"cannot read config {name_or_path}: no such file, nor a shipped config "
+                      f"of that name (shipped: {shipped}){hint}")
+
+
 def load_config(path: str | Path | None = None, overrides=()) -> Config:
-    """Reads a YAML config (defaults when path is None) and applies the overrides."""
+    """Reads a YAML config (defaults when path is None) and applies the overrides.
+
+    path: a YAML file, or the name of a shipped config (`resolve_config`)."""
     data = {}
     if path is not None:
+        path = resolve_config(path)
         try:
             data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except OSError as e:

@@ -11,17 +11,32 @@ import numpy as np
 TIMING_KEYS = ("elapsed_s", "tokens_per_s", "eval_s")
 
 
+# TensorBoard's event files, written beside metrics.jsonl
+EVENT_FILES = "events.out.tfevents.*"
+
+
+def scalar_tag(key: str) -> str:
+    """The TensorBoard tag of a metrics key: eval_exact_match -> eval/exact_match, loss ->
+    train/loss, elapsed_s -> time/elapsed_s."""
+    if key.startswith("eval_") and key != "eval_s":
+        return "eval/" + key.removeprefix("eval_")
+    return ("time/" if key in TIMING_KEYS else "train/") + key
+
+
 class MetricsLog:
-    """metrics.jsonl: one JSON object per log or eval step, appended and flushed at once.
+    """metrics.jsonl: one JSON object per log or eval step, appended and flushed at once;
+    the same scalars in TensorBoard event files in the same directory.
 
     Opening it for a run resumed at `resume_step` drops the records of later steps (written
-    after the checkpoint the run resumes from) and a torn last line of a killed process.
+    after the checkpoint the run resumes from) and a torn last line of a killed process;
+    TensorBoard is told to drop its events of those steps too.
     """
 
     def __init__(self, path: Path, resume_step: int, *, enabled: bool = True):
         self.path = Path(path)
         self.records = []
         self._file = None
+        self._events = None
         if not enabled:  # another process writes the file
             return
         if self.path.exists():
@@ -37,16 +52,27 @@ class MetricsLog:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         os.replace(tmp, self.path)
         self._file = self.path.open("a")
+        from tensorboardX import SummaryWriter
+
+        # purge_step: TensorBoard hides what an earlier process wrote from that step on
+        self._events = SummaryWriter(str(self.path.parent), purge_step=resume_step + 1)
 
     def write(self, record: dict) -> None:
         self.records.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._events is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self._events.add_scalar(scalar_tag(key), value, record["step"])
+            self._events.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+        if self._events is not None:
+            self._events.close()
 
 
 class Progress:
@@ -115,53 +141,97 @@ def _pyplot():
     return plt
 
 
-def plot_curves(path: Path, records: list[dict]) -> None:
-    """curves.png: training loss, and training/held-out accuracy, against step."""
+def curves_figure(records: list[dict]):
+    """The figure of curves.png: three panels, so that no line hides another.
+
+    Loss (log scale, left axis) and learning rate (right axis) against step; training
+    token accuracy (teacher forced) and held-out token accuracy (greedy); held-out exact
+    match (greedy)."""
     plt = _pyplot()
     logs = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_exact_match" in r]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot([r["step"] for r in logs], [r["loss"] for r in logs], label="train loss")
-    ax_loss.set(xlabel="step", ylabel="loss (label-smoothed)", yscale="log", title="loss")
-    ax_acc.plot([r["step"] for r in logs], [r["accuracy"] for r in logs],
-                label="train token accuracy (teacher forced)")
-    ax_acc.plot([r["step"] for r in evals], [r["eval_token_accuracy"] for r in evals], "o-",
-                label="held-out token accuracy (greedy)")
-    ax_acc.plot([r["step"] for r in evals], [r["eval_exact_match"] for r in evals], "s-",
-                label="held-out exact match (greedy)")
-    ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02), title="accuracy")
-    for ax in (ax_loss, ax_acc):
+    fig, (ax_loss, ax_tokens, ax_exact) = plt.subplots(1, 3, figsize=(15, 4.2),
+                                                       layout="constrained")
+    steps = [r["step"] for r in logs]
+    eval_steps = [r["step"] for r in evals]
+    loss_line, = ax_loss.plot(steps, [r["loss"] for r in logs], color="C0",
+                              label="train loss (label-smoothed)")
+    ax_loss.set(xlabel="step", ylabel="loss", yscale="log", title="loss and learning rate")
+    ax_lr = ax_loss.twinx()
+    lr_line, = ax_lr.plot(steps, [r["learning_rate"] for r in logs], color="C3",
+                          linestyle="--", label="learning rate")
+    ax_lr.set_ylabel("learning rate", color="C3")
+    ax_lr.tick_params(axis="y", labelcolor="C3")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    # on the right axis, which is drawn above the left one's lines
+    ax_lr.legend(handles=[loss_line, lr_line], fontsize=9, loc="upper right", framealpha=0.9)
+    ax_tokens.plot(steps, [r["accuracy"] for r in logs], color="C0",
+                   label="train (teacher forced)")
+    ax_tokens.plot(eval_steps, [r["eval_token_accuracy"] for r in evals], color="C1",
+                   marker="o", linestyle=":", label="held-out (greedy)")
+    ax_tokens.set(xlabel="step", ylabel="token accuracy", title="token accuracy")
+    ax_exact.plot(eval_steps, [r["eval_exact_match"] for r in evals], color="C2", marker="s",
+                  label="held-out (greedy)")
+    ax_exact.set(xlabel="step", ylabel="exact match (whole sequence)", title="exact match")
+    for ax in (ax_tokens, ax_exact):
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=9, loc="lower right")
+    for ax in (ax_loss, ax_tokens, ax_exact):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def plot_attention(path: Path, maps: dict, src_tokens: list[str], tgt_tokens: list[str]) -> None:
-    """attention.png: one row per attention layer (encoder self, decoder self, then
-    cross attention), one column per head.
+def plot_curves(path: Path, records: list[dict]) -> None:
+    """curves.png: `curves_figure(records)`."""
+    _save(curves_figure(records), path)
+
+
+def attention_figure(maps: dict, src_tokens: list[str], tgt_tokens: list[str]):
+    """The figure of attention.png: one row per attention layer (encoder self, decoder
+    self, then cross attention), one column per head, one colour scale for all.
 
     maps is `attention_maps(...)` for a batch of one; src_tokens label the source
-    positions and tgt_tokens the decoder inputs (bos, then the prediction).
+    positions and tgt_tokens the decoder inputs (bos, then the prediction). Keys run
+    along the x axis, queries down the y axis.
     """
     plt = _pyplot()
     order = {"encoder/self": 0, "decoder/self": 1, "decoder/cross": 2}
     names = sorted(maps, key=lambda n: (order[n.split("/")[0] + "/" + n.split("/")[-1]], n))
     heads = maps[names[0]].shape[1]
-    size = max(len(src_tokens), len(tgt_tokens)) * 0.18 + 1.2
-    fig, axes = plt.subplots(len(names), heads, figsize=(heads * size, len(names) * size),
-                             squeeze=False)
+    longest = max(len(src_tokens), len(tgt_tokens))
+    cell = 0.26   # inches per token: room for a 9-point label
+    size = longest * cell + 1.6
+    fig, axes = plt.subplots(len(names), heads, figsize=(heads * size + 1.2, len(names) * size),
+                             squeeze=False, layout="constrained")
+    image = None
     for row, name in zip(axes, names):
         queries = src_tokens if name.startswith("encoder") else tgt_tokens
-        keys = tgt_tokens if name.endswith("self") and name.startswith("decoder") else src_tokens
+        decoder_self = name.startswith("decoder") and name.endswith("self")
+        keys = tgt_tokens if decoder_self else src_tokens
+        # a decoder-only model's one sequence: source, separator and output
+        one_sequence = src_tokens is tgt_tokens
+        query_kind = "sequence" if one_sequence else "source" if queries is src_tokens else "output"
+        key_kind = "sequence" if one_sequence else "source" if keys is src_tokens else "output"
         # [N, T, S] cropped to the example's tokens
         weights = np.asarray(maps[name][0], np.float32)[:, : len(queries), : len(keys)]
+        vertical = max(map(len, keys), default=0) > 2
         for head, ax in enumerate(row):
-            ax.imshow(weights[head], cmap="viridis", vmin=0.0, vmax=1.0)
-            ax.set_xticks(range(len(keys)), keys, rotation=90, fontsize=7)
-            ax.set_yticks(range(len(queries)), queries, fontsize=7)
-            ax.set_title(f"{name} head {head}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+            image = ax.imshow(weights[head], cmap="viridis", vmin=0.0, vmax=1.0)
+            ax.set_xticks(range(len(keys)), keys, rotation=90 if vertical else 0, fontsize=9)
+            ax.set_yticks(range(len(queries)), queries, fontsize=9)
+            ax.set_xlabel(f"{key_kind} tokens (keys)", fontsize=9)
+            ax.set_ylabel(f"{query_kind} tokens (queries)", fontsize=9)
+            ax.set_title(f"{name}, head {head}", fontsize=10)
+    bar = fig.colorbar(image, ax=axes, shrink=0.6, aspect=30)
+    bar.set_label("attention weight", fontsize=10)
+    return fig
+
+
+def plot_attention(path: Path, maps: dict, src_tokens: list[str], tgt_tokens: list[str]) -> None:
+    """attention.png: `attention_figure(maps, src_tokens, tgt_tokens)`."""
+    _save(attention_figure(maps, src_tokens, tgt_tokens), path)
+
+
+def _save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)

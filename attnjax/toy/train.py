@@ -3,7 +3,8 @@
 Two kinds of model (`config.model.kind`): the encoder–decoder `Transformer` trains on the
 task's batches as they are; the `DecoderOnly` model on one causal sequence per example,
 or several packed into a row (`attnjax.toy.sequences`). Both are scored on the same
-held-out batch, by greedy decoding on the KV cache.
+held-out batch, by greedy decoding on the KV cache. With `config.model.api` "nnx" the
+train step runs the `attnjax.nnx` counterpart of the model on the same parameters.
 
 Everything random is a function of the seed and the step: the batch of step s comes
 from `np.random.default_rng([seed, 0, s])` and its dropout key is
@@ -11,8 +12,10 @@ from `np.random.default_rng([seed, 0, s])` and its dropout key is
 uninterrupted one.
 
 The same train step runs on one device or many: it is jit-compiled with the shardings
-of a ("data", "model") mesh (`attnjax.parallel.mesh`), which on one device are trivial.
-The global batch is the same whatever the mesh, so the results are too.
+of a ("data", "model", "seq") mesh (`attnjax.parallel.mesh`), which on one device are
+trivial; over "seq" each sequence is split across devices and attention runs as a ring
+(`attnjax.toy.sequence_parallel`). The global batch is the same whatever the mesh, so
+the results are too.
 """
 
 import dataclasses
@@ -24,8 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from flax import nnx
 from jax.experimental import multihost_utils
 
+from attnjax import nnx as attnjax_nnx
 from attnjax.nn import (
     DecoderOnly,
     DecoderOnlyConfig,
@@ -34,7 +39,9 @@ from attnjax.nn import (
     generate,
     greedy_decode,
 )
+from attnjax.nnx import models as nnx_models
 from attnjax.parallel import mesh as mesh_lib
+from attnjax.toy import sequence_parallel
 from attnjax.toy.sequences import DecoderOnlyFormat, Sequences
 from attnjax.toy.tasks import BOS, EOS, PAD, Batch
 
@@ -62,6 +69,7 @@ def make_model(config, task) -> Transformer | DecoderOnly:
     """The model `config.model` names, sized for the task's vocabularies: the
     encoder–decoder, or the decoder-only model over their joint vocabulary."""
     fields = dataclasses.asdict(config.model)
+    fields.pop("api")
     if fields.pop("kind") == "decoder_only":
         fields.pop("num_encoder_layers")
         layers = fields.pop("num_decoder_layers")
@@ -113,7 +121,7 @@ def init_state(model, optimizer, task, seed: int, mesh) -> TrainState:
     batch = _model_batch(model, task, example_batch(task, 2))
 
     def init():
-        params = model.init(init_key(seed), *_inputs(batch))["params"]
+        params = model.init(init_key(seed), *_inputs(batch), deterministic=True)["params"]
         return TrainState(jnp.int32(0), params, optimizer.init(params))
 
     return jax.jit(init, out_shardings=mesh_lib.shardings(jax.eval_shape(init), mesh))()
@@ -132,6 +140,11 @@ def _logits_and_labels(model, params, batch: Batch | Sequences, **kwargs):
         logits = model.apply({"params": params}, batch.tokens, segment_ids=batch.segment_ids,
                              positions=batch.positions, **kwargs)
         return logits, batch.labels
+    if isinstance(batch, sequence_parallel.PositionedBatch):
+        logits = model.apply({"params": params}, *_inputs(batch),
+                             src_positions=batch.src_positions,
+                             tgt_positions=batch.tgt_positions, **kwargs)
+        return logits, batch.tgt_out
     return model.apply({"params": params}, *_inputs(batch), **kwargs), batch.tgt_out
 
 
@@ -153,21 +166,42 @@ def loss_and_metrics(params, batch: Batch | Sequences, model, label_smoothing: f
     return loss, {"loss": loss, "accuracy": correct / tokens, "tokens": tokens}
 
 
+class NnxForward:
+    """`model.apply` for the loss, run by the `attnjax.nnx` counterpart of a linen
+    `model` on the same parameter tree (`attnjax.nnx.from_linen_params`)."""
+
+    def __init__(self, model: Transformer | DecoderOnly):
+        abstract = nnx.eval_shape(lambda: nnx_models.counterpart(model, rngs=nnx.Rngs(0)))
+        self.graphdef, self.state = nnx.split(abstract)
+
+    def apply(self, variables, *args, rngs=None, **kwargs):
+        # a fresh copy of the abstract state, so that loading the parameters fills
+        # variables made in this trace
+        state = jax.tree.map(lambda x: x, self.state)
+        model = attnjax_nnx.from_linen_params(nnx.merge(self.graphdef, state),
+                                              variables["params"])
+        return model(*args, rngs=None if rngs is None else nnx.Rngs(**rngs), **kwargs)
+
+
 def make_train_step(model: Transformer | DecoderOnly, optimizer, optim, steps: int, seed: int,
-                    state, mesh):
+                    state, mesh, api: str = "linen"):
     """`(state, batch) -> (state, metrics)`, jit-compiled with the state donated; the
-    state keeps the layout it has, the batch is split over "data"."""
+    state keeps the layout it has, the batch is split over "data". api "nnx": the
+    forward and backward passes run the `attnjax.nnx` counterpart of `model` on the
+    same parameters (`NnxForward`)."""
     schedule = learning_rate_schedule(optim, steps)
     grad_fn = jax.grad(loss_and_metrics, has_aux=True)
+    forward = NnxForward(model) if api == "nnx" else model
 
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
 
-    @functools.partial(jax.jit, donate_argnums=0,
-                       in_shardings=(state_shardings, mesh_lib.batch_sharding(mesh)),
+    # The batch keeps the layout `train_batch` gives it (split over "seq" too).
+    @functools.partial(jax.jit, donate_argnums=0, in_shardings=(state_shardings, None),
                        out_shardings=(state_shardings, mesh_lib.replicated(mesh)))
     def train_step(state: TrainState, batch: Batch | Sequences):
         key = jax.random.fold_in(dropout_key(seed), state.step)
-        grads, metrics = grad_fn(state.params, batch, model, optim.label_smoothing, key)
+        with sequence_parallel.attention(mesh):
+            grads, metrics = grad_fn(state.params, batch, forward, optim.label_smoothing, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics["learning_rate"] = schedule(state.step)
@@ -193,7 +227,9 @@ def train_batch(task, config, step: int, mesh) -> Batch | Sequences:
     the mesh's "data" axis. Every process draws it whole and places its own shards.
 
     config.batch_size examples for the encoder–decoder, as many sequences for the
-    decoder-only model, or with data.pack config.batch_size rows of packed examples."""
+    decoder-only model, or with data.pack config.batch_size rows of packed examples.
+    With a "seq" mesh axis, in the zig-zag layout over it (`sequence_parallel.lay_out`)
+    and split over it."""
     rng = np.random.default_rng([config.seed, TRAIN_STREAM, step])
     if config.data.pack:
         layout = DecoderOnlyFormat(task)
@@ -202,7 +238,9 @@ def train_batch(task, config, step: int, mesh) -> Batch | Sequences:
         batch = DecoderOnlyFormat(task).rows(task.sample(rng, config.batch_size))
     else:
         batch = task.sample(rng, config.batch_size)
-    return type(batch)(*(mesh_lib.put(x, mesh_lib.batch_sharding(mesh)) for x in batch))
+    batch = sequence_parallel.lay_out(batch, sequence_parallel.num_shards(mesh))
+    return type(batch)(*(mesh_lib.put(x, mesh_lib.batch_sharding(mesh, np.ndim(x)))
+                         for x in batch))
 
 
 def predict(model, task, params, batch: Batch, batch_size: int, mesh) -> np.ndarray:

@@ -1,0 +1,84 @@
+"""The KV cache of the attention modules: one implementation for `attnjax.nn` (linen)
+and `attnjax.nnx`.
+
+A cache is three arrays, flax's: cached_key `[batch..., L, K, H]`, cached_value
+`[batch..., L, K, V]` and cache_index (int32 scalar, the filled length). Each module
+keeps them in its own kind of variable (linen's "cache" collection, nnx.Cache) and hands
+them here: `append` writes the new keys and values at the index and says where the new
+queries sit, and `visible` turns that into the Mask the engine reads — the filled slots,
+by positions, never a T×S array — so a long cache decodes on the chunked kernel too.
+"""
+
+import logging
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attnjax import _checks, masks
+
+_LOG = logging.getLogger("attnjax")
+
+
+class Appended(NamedTuple):
+    """The cache after an append, and where the new tokens sit in it."""
+
+    key: jax.Array             # [batch..., L, K, H]
+    value: jax.Array           # [batch..., L, K, V]
+    index: jax.Array           # int32 []: the filled length, start + T
+    positions: tuple           # (query [T] at start..start+T−1, key [L] at 0..L−1)
+
+
+def append(cached_key, cached_value, index, key, value) -> Appended:
+    """Write the new keys `[batch..., T, K, H]` and values `[batch..., T, K, V]` at the
+    cache index. Any T: one token, or a chunk of a prefill that then attends to everything
+    cached before it (and, with a causal mask, to its own earlier tokens)."""
+    cache_shape = cached_key.shape
+    if key.shape[:-3] != cache_shape[:-3] or key.shape[-2:] != cache_shape[-2:]:
+        expected = _checks.shape_str(cache_shape[:-3]) + " T " + _checks.shape_str(
+            cache_shape[-2:])
+        raise ValueError(
+            f"decode=True: new keys must have the cache's batch axes and heads, "
+            f"[batch..., T, K, H] = {expected}; got {_checks.shape_str(key.shape)}")
+    capacity, new = cache_shape[-3], key.shape[-3]
+    start = index
+    check_room(start, new, capacity)
+    zero = jnp.int32(0)
+    at = (zero,) * (key.ndim - 3) + (start, zero, zero)
+    cached_key = lax.dynamic_update_slice(cached_key, key.astype(cached_key.dtype), at)
+    cached_value = lax.dynamic_update_slice(cached_value, value.astype(cached_value.dtype), at)
+    positions = (start + jnp.arange(new, dtype=jnp.int32), jnp.arange(capacity, dtype=jnp.int32))
+    return Appended(cached_key, cached_value, start + new, positions)
+
+
+def visible(mask: masks.Mask, appended: Appended) -> masks.Mask:
+    """`mask` restricted to the filled slots of the cache."""
+    return mask & masks.lengths(key=appended.index)
+
+
+def filled_slots(appended: Appended, batch: tuple[int, ...]) -> jax.Array:
+    """flax's cache mask, for an attention function with flax's signature: every filled
+    slot for each new token, bool `[batch..., 1, 1, L]`."""
+    capacity = appended.key.shape[-3]
+    return jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32) < appended.index,
+                            batch + (1, 1, capacity))
+
+
+def check_room(start, new: int, capacity: int) -> None:
+    """Appending past the cache is a ValueError at trace time when the index is known.
+
+    Under jit the index is known only when the step runs, where an exception could only
+    surface as an XLA INTERNAL error: the overrun is logged instead (logger "attnjax",
+    ERROR, on stderr by default), and the write stays inside the cache (XLA clamps the
+    update to the last slots), so the step's output is finite but no longer that of
+    the sequence. Size the cache for the longest sequence."""
+    message = "KV cache overrun: {} new tokens at position {} exceed the cache length {}"
+    if isinstance(start, jax.core.Tracer):
+        def report(position):
+            if int(position) + new > capacity:
+                _LOG.error(message.format(new, int(position), capacity)
+                           + "; the tokens were written over the cache's last slots")
+        jax.debug.callback(report, start)
+    elif int(start) + new > capacity:
+        raise ValueError(message.format(new, int(start), capacity))

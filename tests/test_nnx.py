@@ -1,0 +1,292 @@
+"""attnjax.nnx: MultiHeadAttention against flax.nnx.MultiHeadAttention (state, outputs,
+cache, errors), the nnx models against the linen ones (exact parameter round trips,
+equal outputs, decoding), and the toy trainer with model.api=nnx against linen."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import attnjax.nnx as anx
+from attnjax import masks, nn
+from attnjax.nnx.models import counterpart
+from attnjax.parallel import mesh as mesh_lib
+from attnjax.toy import make_task
+from attnjax.toy import train as training
+from attnjax.toy.config import load_config
+
+B, T, S, D, DKV = 3, 5, 7, 12, 10
+ATOL = 1e-5
+
+
+def _pair(rngs_seed: int, **kw):
+    """flax's module and attnjax's, built from the same nnx.Rngs."""
+    flax_mha = nnx.MultiHeadAttention(rngs=nnx.Rngs(rngs_seed), decode=False, **kw)
+    ours = anx.MultiHeadAttention(rngs=nnx.Rngs(rngs_seed), decode=False, **kw)
+    return flax_mha, ours
+
+
+def _tree_equal(a, b) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+_JITTED = {}
+
+
+def _call(module, *args, **kwargs):
+    """module(*args, **kwargs) under nnx.jit: arrays and Masks traced, other keywords
+    static, one compiled function per set of keywords."""
+    traced = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, masks.Mask))}
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in traced))
+    key = (static, tuple(sorted(traced)))
+    if key not in _JITTED:
+        _JITTED[key] = nnx.jit(lambda m, t, *a: m(*a, **t, **dict(static)))
+    return _JITTED[key](module, traced, *args)
+
+
+RNG = np.random.default_rng(20)
+
+
+def _normal(*shape):
+    """Fresh unit-variance float32 values (NumPy's generator: nothing to compile)."""
+    return jnp.asarray(RNG.standard_normal(shape), jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return _normal(B, T, D), _normal(B, S, DKV)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_heads=4, in_features=D, in_kv_features=DKV),
+    dict(num_heads=4, in_features=D, in_kv_features=DKV, num_kv_heads=2, normalize_qk=True,
+         qkv_features=8, out_features=6),
+], ids=["plain", "gqa_qknorm"])
+def test_same_rngs_same_state_and_outputs_as_flax(inputs, kw):
+    x, memory = inputs
+    flax_mha, ours = _pair(3, **kw)
+    assert _tree_equal(nnx.to_pure_dict(nnx.state(flax_mha)), nnx.to_pure_dict(nnx.state(ours)))
+    # a random float 0/1 mask, flax's kind
+    mask = jnp.asarray(RNG.uniform(size=(B, 1, T, S)) < 0.7, jnp.float32)
+    mask = mask.at[..., 0].set(1.0)  # every query sees a key: flax averages otherwise
+    for args, call in (((x, memory), {"mask": mask}), ((x, memory, memory + 1.0), {})):
+        np.testing.assert_allclose(_call(ours, *args, **call), _call(flax_mha, *args, **call),
+                                   atol=ATOL)
+
+
+def test_state_loads_from_and_into_flax(inputs):
+    x, memory = inputs
+    kw = dict(num_heads=2, in_features=D, in_kv_features=DKV, num_kv_heads=1)
+    flax_mha, _ = _pair(1, **kw)
+    _, ours = _pair(2, **kw)
+    assert not np.allclose(_call(ours, x, memory), _call(flax_mha, x, memory), atol=1e-3)
+    nnx.update(ours, nnx.state(flax_mha))
+    np.testing.assert_allclose(_call(ours, x, memory), _call(flax_mha, x, memory), atol=ATOL)
+    # and back: a flax module with attnjax's state computes attnjax's function
+    nnx.update(ours, jax.tree.map(lambda p: 1.5 * p, nnx.state(ours, nnx.Param)))
+    nnx.update(flax_mha, nnx.state(ours))
+    np.testing.assert_allclose(_call(flax_mha, x, memory), _call(ours, x, memory), atol=ATOL)
+
+
+def test_sow_weights_as_flax_sows_them(inputs):
+    x, _ = inputs
+    flax_mha, ours = _pair(4, num_heads=4, in_features=D)
+    _call(flax_mha, x, sow_weights=True, is_causal=True)
+    _call(ours, x, sow_weights=True, is_causal=True)
+    theirs = nnx.to_pure_dict(nnx.pop(flax_mha, nnx.Intermediate))["attention_weights"]
+    mine = nnx.to_pure_dict(nnx.pop(ours, nnx.Intermediate))["attention_weights"]
+    assert mine[0].shape == (B, 4, T, T)
+    np.testing.assert_allclose(mine[0], theirs[0], atol=ATOL)
+
+
+def test_decode_step_by_step_equals_full_causal_and_flax(inputs):
+    x, _ = inputs
+    kw = dict(num_heads=4, in_features=D, num_kv_heads=2)
+    flax_mha, ours = _pair(6, **kw)
+    full = _call(ours, x, is_causal=True)
+    for module in (flax_mha, ours):
+        module.init_cache(x.shape)
+    ours_steps, flax_steps = [], []
+    for i in range(T):
+        ours_steps.append(_call(ours, x[:, i:i + 1], decode=True))
+        with jax.numpy_dtype_promotion("standard"):   # flax's cache mixes int widths
+            flax_steps.append(_call(flax_mha, x[:, i:i + 1], decode=True))
+    np.testing.assert_allclose(jnp.concatenate(ours_steps, 1), full, atol=ATOL)
+    np.testing.assert_allclose(jnp.concatenate(ours_steps, 1), jnp.concatenate(flax_steps, 1),
+                               atol=ATOL)
+    assert int(ours.cache_index[...]) == T
+    # a chunked prefill, then one token: the same rows
+    ours.init_cache(x.shape)
+    chunks = [_call(ours, x[:, :3], decode=True, is_causal=True),
+              _call(ours, x[:, 3:], decode=True, is_causal=True)]
+    np.testing.assert_allclose(jnp.concatenate(chunks, 1), full, atol=ATOL)
+
+
+def test_flax_errors():
+    _, ours = _pair(0, num_heads=2, in_features=D)
+    x = _normal(2, 3, D)
+    with pytest.raises(ValueError, match="cache not initialized, call ``init_cache`` first"):
+        ours(x, decode=True)
+    with pytest.raises(ValueError, match="No `decode` argument was provided"):
+        anx.MultiHeadAttention(2, D, rngs=nnx.Rngs(0))(x)
+    with pytest.raises(ValueError, match=r"inputs_q must have shape \[batch..., length, "
+                                         r"in_features=12\]; got \[2, 3, 5\]"):
+        ours(x[..., :5])
+    with pytest.raises(ValueError, match="`inputs_k` cannot be None"):
+        ours(x, inputs_v=x)
+    with pytest.raises(ValueError, match="num_kv_heads must divide num_heads"):
+        anx.MultiHeadAttention(4, D, num_kv_heads=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="qkv_features must be divisible by num_heads"):
+        anx.MultiHeadAttention(5, D, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="score must be one of"):
+        anx.MultiHeadAttention(2, D, score="cosine", rngs=nnx.Rngs(0))
+    ours.init_cache((2, 4, D))
+    with pytest.raises(ValueError, match=r"new keys must have the cache's batch axes and heads"):
+        ours(jnp.concatenate([x, x]), decode=True)
+    with pytest.raises(ValueError, match="KV cache overrun: 5 new tokens at position 0"):
+        ours(jnp.concatenate([x, x[:, :2]], 1), decode=True)
+    with pytest.raises(ValueError, match="attention_fn replaces attnjax's engine"):
+        anx.MultiHeadAttention(2, D, attention_fn=nnx.dot_product_attention, window=2,
+                               decode=False, rngs=nnx.Rngs(0))(x)
+
+
+def test_attnjax_fields_match_the_linen_module(inputs):
+    """num_kv_heads, is_causal, window, score, sinks, score_mod: the nnx module and the
+    linen one on the same parameters compute the same function."""
+    x, memory = inputs
+    fields = dict(num_kv_heads=2, is_causal=True, window=(3, 1), score="additive",
+                  use_sinks=True, projection_activation=jnp.tanh)
+    score_mod = lambda s, b, n, q, k: s - 0.1 * jnp.abs(q - k).astype(s.dtype)  # noqa: E731
+    ours = anx.MultiHeadAttention(4, D, in_kv_features=DKV, score_mod=score_mod,
+                                  decode=False, rngs=nnx.Rngs(8), **fields)
+    params = anx.to_linen_params(ours)
+    assert params["score_v"].shape == (4, 3) and params["sinks"].shape == (4,)
+    # sinks start at zero; give them values that matter
+    params["sinks"] = _normal(4)
+    anx.from_linen_params(ours, params)
+    linen = nn.MultiHeadAttention(num_heads=4, score_mod=score_mod, **fields)
+    bias = 0.5 * _normal(B, 4, T, S)
+    lengths = masks.lengths(key=jnp.array([7, 2, 4]))
+    expected = jax.jit(linen.apply)({"params": params}, x, memory, bias=bias, mask=lengths)
+    np.testing.assert_allclose(_call(ours, x, memory, bias=bias, mask=lengths), expected,
+                               atol=ATOL)
+
+
+# The models: one tiny config each, with every parameter kind (learned positions,
+# grouped-query heads, sinks), built once.
+TRANSFORMER = nn.TransformerConfig(src_vocab_size=11, tgt_vocab_size=13, d_model=16,
+                                   num_heads=4, num_kv_heads=2, d_ff=24, num_encoder_layers=1,
+                                   num_decoder_layers=1, positional="learned", max_len=12,
+                                   attention_sinks=True)
+DECODER_ONLY = nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2, d_ff=24,
+                                    num_layers=1, pre_ln=False, attention_soft_cap=5.0)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return tuple(jnp.asarray(RNG.integers(0, vocab, (2, length)), jnp.int32)
+                 for vocab, length in ((11, 9), (13, 6), (13, 8)))
+
+
+def _abstract(linen):
+    """The nnx counterpart of a linen model, its parameters not yet drawn."""
+    return nnx.eval_shape(lambda: counterpart(linen, rngs=nnx.Rngs(0)))
+
+
+@nnx.jit
+def _nnx_call(model, *args):
+    return model(*args, deterministic=True)
+
+
+def _random_like(shapes, seed: int):
+    """Fresh random values for a tree of shapes (NumPy's generator: no compilation)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype),
+                        shapes)
+
+
+def test_linen_nnx_round_trip_and_same_function(tokens):
+    src, tgt, seq = tokens
+    linen = nn.Transformer(TRANSFORMER)
+    args = (src, tgt, jnp.array([9, 4]))
+    shapes = jax.eval_shape(linen.init, jax.random.key(0), *args)["params"]
+    params = _random_like(shapes, 31)
+    model = anx.from_linen_params(_abstract(linen), params)
+    back = anx.to_linen_params(model)
+    assert _tree_equal(back, params)
+    expected = jax.jit(lambda p, *a: linen.apply({"params": p}, *a, deterministic=True))(
+        params, *args)
+    np.testing.assert_allclose(_nnx_call(model, *args), expected, atol=ATOL)
+    # nnx -> linen -> nnx: other parameters survive both ways
+    own = _random_like(shapes, 32)
+    assert not _tree_equal(own, params)
+    again = anx.to_linen_params(anx.from_linen_params(model, own))
+    assert _tree_equal(again, own)
+    # the decoder-only model's tree too
+    lm = _abstract(nn.DecoderOnly(DECODER_ONLY))
+    linen_tree = jax.eval_shape(nn.DecoderOnly(DECODER_ONLY).init, jax.random.key(0), seq)
+    lm_params = _random_like(linen_tree["params"], 33)
+    assert _tree_equal(anx.to_linen_params(anx.from_linen_params(lm, lm_params)), lm_params)
+
+
+def test_from_linen_params_names_what_does_not_fit():
+    model = _abstract(nn.DecoderOnly(DECODER_ONLY))
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), anx.to_linen_params(model))
+    params["logits"]["kernel"] = params["logits"]["kernel"][:, :5]
+    with pytest.raises(ValueError, match=r"params\[logits/kernel\] must have shape \(16, 13\); "
+                                         r"got \(16, 5\)"):
+        anx.from_linen_params(model, params)
+    del params["logits"]
+    with pytest.raises(ValueError, match=r"missing \['logits/bias', 'logits/kernel'\]"):
+        anx.from_linen_params(model, params)
+
+
+def test_nnx_decoder_only_decodes_on_its_cache(tokens):
+    _, _, seq = tokens
+    linen = nn.DecoderOnly(DECODER_ONLY)
+    params = _random_like(anx.to_linen_params(_abstract(linen)), 40)
+    model = anx.from_linen_params(_abstract(linen), params)
+    full = _nnx_call(model, seq)
+    decoder = anx.from_linen_params(_abstract(linen.clone(decode=True)), params)
+    decoder.init_cache(2, seq.shape[1])
+    steps = [_nnx_call(decoder, seq[:, :4])] + [_nnx_call(decoder, seq[:, i:i + 1])
+                                                for i in range(4, seq.shape[1])]
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=ATOL)
+    assert int(decoder.decoder.layer_0.self.cache_index[...]) == seq.shape[1]
+
+
+def test_nnx_training_matches_linen(float32):
+    """The trainer's step with model.api=nnx gives linen's losses and exact match (the
+    decoder-only model here; the encoder–decoder's function is compared above)."""
+    steps = 30
+    overrides = [
+        "task.num_symbols=4", "task.min_len=1", "task.max_len=3", "task.eval_size=64",
+        "model.kind=decoder_only", "model.d_model=16", "model.num_heads=2", "model.d_ff=32",
+        "model.num_decoder_layers=1", "model.max_len=8", "model.dropout_rate=0.0",
+        "optim.learning_rate=1e-2", "optim.warmup_steps=5", "batch_size=32", f"steps={steps}"]
+    config = load_config(None, overrides)
+    task = make_task(config.task)
+    model = training.make_model(config, task)
+    optimizer = training.make_optimizer(config.optim, config.steps)
+    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+    initial = training.init_state(model, optimizer, task, config.seed, mesh)
+    held_out = training.eval_set(task, config)
+    runs = {}
+    for api in ("linen", "nnx"):
+        assert load_config(None, overrides + [f"model.api={api}"]).model.api == api
+        state = jax.tree.map(jnp.copy, initial)   # the step donates its state
+        step = training.make_train_step(model, optimizer, config.optim, config.steps,
+                                        config.seed, state, mesh, api=api)
+        losses = []
+        for i in range(steps):
+            state, metrics = step(state, training.train_batch(task, config, i, mesh))
+            losses.append(float(metrics["loss"]))
+        predictions = training.predict(model, task, state.params, held_out, 64, mesh)
+        runs[api] = losses, training.accuracies(predictions, np.asarray(held_out.tgt_out))
+    (linen_losses, linen_acc), (nnx_losses, nnx_acc) = runs["linen"], runs["nnx"]
+    np.testing.assert_allclose(nnx_losses, linen_losses, rtol=1e-4, atol=1e-5)
+    assert linen_losses[-1] < 0.6 * linen_losses[0]
+    assert linen_acc["exact_match"] > 0.2
+    assert nnx_acc == linen_acc

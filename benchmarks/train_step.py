@@ -82,6 +82,9 @@ class FlaxAttention(fnn.MultiHeadDotProductAttention):
     score_mod: Any = None
     use_sinks: bool = False
     is_causal: bool = False
+    score: Any = "scaled_dot"
+    projection_activation: Any = None
+    cache_key_value: bool = False
 
     def __call__(self, inputs_q, inputs_k=None, *, mask=None, positions=None,
                  deterministic=None, sow_weights=False):

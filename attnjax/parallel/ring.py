@@ -528,6 +528,23 @@ def ring_self_attention(
                          f"{chunks} ({'two chunks on each of ' if layout == 'zigzag' else ''}"
                          f"the P={p} devices of mesh axis {axis!r})")
 
+    attend = functools.partial(_sharded, mask=mask, mesh=mesh, axis=axis,
+                               batch_axis=batch_axis, head_axis=head_axis,
+                               is_causal=is_causal, scale=scale, layout=layout)
+    if layout == "contiguous":
+        return attend(query, key, value, per_position)
+    query, key, value = (zigzag(x, p) for x in (query, key, value))
+    per_position = {name: zigzag(x, p) for name, x in per_position.items()}
+    return unzigzag(attend(query, key, value, per_position), p)
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "mesh", "axis", "batch_axis", "head_axis",
+                                             "is_causal", "scale", "layout"))
+def _sharded(query, key, value, per_position, *, mask, mesh, axis, batch_axis, head_axis,
+             is_causal, scale, layout):
+    """ring_attention on every shard, as one compiled program (called eagerly, the ring
+    would otherwise run operation by operation on every device)."""
+
     def local(query, key, value, per_position):
         local_mask = mask
         if "segment_ids" in per_position:
@@ -541,13 +558,8 @@ def ring_self_attention(
 
     spec = PartitionSpec(batch_axis, axis, head_axis, None)
     rows = {name: PartitionSpec(batch_axis, axis) for name in per_position}
-    attend = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, rows),
-                           out_specs=spec, check_vma=False)
-    if layout == "contiguous":
-        return attend(query, key, value, per_position)
-    query, key, value = (zigzag(x, p) for x in (query, key, value))
-    per_position = {name: zigzag(x, p) for name, x in per_position.items()}
-    return unzigzag(attend(query, key, value, per_position), p)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, rows),
+                         out_specs=spec, check_vma=False)(query, key, value, per_position)
 
 
 def _array_free(mask) -> Mask:

@@ -69,6 +69,9 @@ class _Projection(nn.Module):
                                   dot_general=dot_general)
 
 
+# The "cache" entries of a cache_key_value module: its projected keys and values.
+PROJECTED_KEY_VALUE = ("projected_key", "projected_value")
+
 _PROJECTED = {"query": "inputs_q", "key": "inputs_k", "value": "inputs_v", "out": "the heads"}
 
 
@@ -205,10 +208,9 @@ class MultiHeadDotProductAttention(nn.Module):
                                 dot_general_cls=self.qkv_dot_general_cls)
         # [batch..., T, N, H]
         query = qkv(shapes["query"], name="query")(inputs_q)
-        if self.cache_key_value and self.has_variable("cache", "projected_key"):
+        if self.cache_key_value and self.has_variable("cache", PROJECTED_KEY_VALUE[0]):
             # [batch..., S, K, H], [batch..., S, K, V]: projected by an earlier call
-            key = self.get_variable("cache", "projected_key")
-            value = self.get_variable("cache", "projected_value")
+            key, value = (self.get_variable("cache", name) for name in PROJECTED_KEY_VALUE)
             query, _, _ = multi_head.activate_projections(
                 self.projection_activation, query, key, value)
         else:
@@ -218,8 +220,8 @@ class MultiHeadDotProductAttention(nn.Module):
             query, key, value = multi_head.activate_projections(
                 self.projection_activation, query, key, value)
             if self.cache_key_value and self.is_mutable_collection("cache"):
-                self.put_variable("cache", "projected_key", key)
-                self.put_variable("cache", "projected_value", value)
+                for name, x in zip(PROJECTED_KEY_VALUE, (key, value)):
+                    self.put_variable("cache", name, x)
         if self.normalize_qk:
             # Normalised queries and keys train stably at higher learning rates (ViT-22B).
             ln = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,

@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from attnjax import _checks
+from attnjax.nn.attention import PROJECTED_KEY_VALUE
 from attnjax.nn.models import DecoderOnly, Transformer, check_tokens
 
 
@@ -133,7 +134,7 @@ def _without_memory(cache):
     """The cache without the cross-attentions' projected memory."""
     return {name: _without_memory(sub) if hasattr(sub, "items") else sub
             for name, sub in cache.items()
-            if name not in ("projected_key", "projected_value")}
+            if name not in PROJECTED_KEY_VALUE}
 
 
 def _full_length_decoder(module, memory, tgt):

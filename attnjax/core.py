@@ -13,8 +13,10 @@ key gets weights and output of exactly zero, with zero gradients, never NaN.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float
@@ -101,10 +103,38 @@ def logits(
 
 def mix_values(weights: Float[ArrayLike, "T S"], v: Float[ArrayLike, "S V"]) -> Float[ArrayLike, "T V"]:
     """weights · v, accumulated in float32 and returned in v's dtype."""
-    acc = _logits_dtype(v.dtype)
+    v = jnp.asarray(v)
     # [T, V]
-    out = jnp.einsum("TS,SV->TV", weights.astype(v.dtype), v, preferred_element_type=acc)
+    out = contract_last(weights.astype(v.dtype), v.T, _logits_dtype(v.dtype))
     return out.astype(v.dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def contract_last(a: Float[ArrayLike, "T K"], b: Float[ArrayLike, "S K"],
+                  out_dtype) -> Float[Array, "T S"]:
+    """a · bᵀ `[T, S]`, contracting the last axis of both, accumulated in out_dtype.
+
+    The value is the plain product. Its derivative is written so that reverse mode
+    computes b's cotangent as (gᵀ · a)ᵀ, with gᵀ materialised: a product contracting the
+    leading axis of its left operand (autodiff's gᵀ-free form, g contracted over T) runs
+    several times slower on XLA's CPU backend, which would also fold a plain transpose
+    back into the product; the barrier keeps it. Forward mode and higher orders work as
+    for any jnp product.
+    """
+    return jnp.einsum("TK,SK->TS", a, b, preferred_element_type=out_dtype)
+
+
+@contract_last.defjvp
+def _contract_last_jvp(out_dtype, primals, tangents):
+    a, b = primals
+    d_a, d_b = tangents
+    # d(a·bᵀ) = d_a·bᵀ + (d_b·aᵀ)ᵀ. Transposed, the barriers hold gᵀ and the product
+    # gᵀ·a [S, K] as they are: XLA would otherwise fold either transpose into the
+    # product and swap its operands back into the slow form.
+    barrier = lax.optimization_barrier
+    tangent = (contract_last(d_a, b, out_dtype)
+               + barrier(contract_last(barrier(d_b), a, out_dtype)).T)
+    return contract_last(a, b, out_dtype), tangent
 
 
 def _check_core(q, k, v, mask, bias, scale, score_fn) -> None:

@@ -8,6 +8,9 @@ dtype promotion are strict, and jaxtyping checks every annotated argument of att
 (the hook must be installed before attnjax is first imported).
 """
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import shutil
 import tempfile
@@ -71,9 +74,32 @@ def float32():
         yield
 
 
+_LIBC_NAME = ctypes.util.find_library("c")
+_LIBC = ctypes.CDLL(_LIBC_NAME) if _LIBC_NAME else None
+
+
+def _give_memory_back() -> None:
+    """Return freed heap pages to the system (glibc only): the C allocator keeps what
+    XLA's dropped programs held, so without this a worker's memory only ever grows to
+    its heaviest module and then creeps on."""
+    gc.collect()
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_module_of_compiled_programs():
     """Compiled programs are dropped after each module, so a worker holds those of one
     module at a time rather than of every module it has run."""
     yield
     jax.clear_caches()
+    _give_memory_back()
+
+
+@pytest.fixture
+def own_compiled_programs():
+    """For a test that runs much code eagerly (one compiled program per operation): its
+    programs are dropped when it ends, not at the end of its module."""
+    yield
+    jax.clear_caches()
+    _give_memory_back()

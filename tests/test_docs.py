@@ -20,7 +20,9 @@ def test_readme_has_a_functional_api_example():
 
 
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
-def test_readme_python_block_runs(index):
+def test_readme_python_block_runs(index, own_compiled_programs):
+    # The blocks run eagerly, as a reader pastes them: each compiles hundreds of
+    # one-operation programs of its own, dropped when it ends.
     exec(compile(_python_blocks()[index], f"README.md block {index}", "exec"), {})
 
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import attnjax
 from attnjax import chunked, heads, masks
 from tests import reference
+from tests.numerics import QUICK_COMPILE as _QUICK_COMPILE
 
 # (B, T, S, N, K, H, V, block sizes): no length a multiple of its block in most rows.
 SHAPES = [
@@ -43,14 +44,42 @@ def _inputs(seed, b, t, s, n, k, h, v, dtype=jnp.float32):
     )
 
 
-def _outputs_and_grads(implementation, q, k, v, d_out, bias, options, block_sizes=None):
-    def loss(q, k, v, bias):
-        out = attnjax.dot_product_attention(
-            q, k, v, bias, implementation=implementation, block_sizes=block_sizes, **options)
-        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
+@functools.partial(jax.jit, static_argnames=("flags", "block_sizes"),
+                   compiler_options=_QUICK_COMPILE)
+def _dense_and_chunked(q, k, v, d_out, bias, arrays, *, flags, block_sizes):
+    """[(out, grads) of dense, (out, grads) of chunked]: the gradients of
+    Σ out·d_out w.r.t. q, k, v and bias, both kernels in one program. The options are
+    split into their static flags (a tuple of (name, value) pairs) and their arrays (a
+    dict, traced), so examples of the same shapes and option structure share a compile."""
+    options = dict(flags, **arrays)
+    results = []
+    for implementation, blocks in (("dense", None), ("chunked", block_sizes)):
+        def loss(q, k, v, bias, implementation=implementation, blocks=blocks):
+            out = attnjax.dot_product_attention(
+                q, k, v, bias, implementation=implementation, block_sizes=blocks, **options)
+            return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
 
-    grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, bias)
-    return out, grads
+        grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+        results.append((out, grads))
+    return results
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "window", "return_weights",
+                                             "implementation", "block_sizes"),
+                   compiler_options=_QUICK_COMPILE)
+def _attention(*args, **kwargs):
+    """attnjax.dot_product_attention compiled (one program, not one per primitive), with
+    its flags static."""
+    return attnjax.dot_product_attention(*args, **kwargs)
+
+
+def _outputs_and_grads(q, k, v, d_out, bias, options, block_sizes):
+    """`_dense_and_chunked` with the options as keyword arguments: arrays traced, the
+    rest static."""
+    arrays = {name: x for name, x in options.items() if isinstance(x, jax.Array)}
+    flags = tuple(sorted((name, x) for name, x in options.items() if name not in arrays))
+    return _dense_and_chunked(q, k, v, d_out, bias, arrays, flags=flags,
+                              block_sizes=block_sizes)
 
 
 @st.composite
@@ -81,12 +110,14 @@ def test_chunked_equals_dense_outputs_and_gradients(case):
     if case["lengths"] in ("key", "both"):
         options["key_lengths"] = jax.random.randint(keys[2], (b,), 1, s + 1, jnp.int32)
     if case["mask"] == "rows_masked":  # rows 0 and 2 see no key at all
-        options["mask"] = jnp.ones((b, 1, t, s), bool).at[:, :, 0].set(False).at[:, :, 2].set(False)
+        rows_masked = np.ones((b, 1, t, s), bool)
+        rows_masked[:, :, [0, 2]] = False
+        options["mask"] = jnp.asarray(rows_masked)
     elif case["mask"] == "random":
         options["mask"] = jax.random.bernoulli(keys[3], 0.6, (b, n, t, s))
 
-    dense_out, dense_grads = _outputs_and_grads("dense", q, kk, vv, d_out, bias, options)
-    out, grads = _outputs_and_grads("chunked", q, kk, vv, d_out, bias, options, case["blocks"])
+    (dense_out, dense_grads), (out, grads) = _outputs_and_grads(
+        q, kk, vv, d_out, bias, options, case["blocks"])
     chex.assert_tree_all_finite((out, grads))
     assert _relative_error(out, dense_out) <= 2e-5
     for name, g, g_dense in zip(("query", "key", "value", "bias"), grads, dense_grads):
@@ -100,7 +131,7 @@ def test_chunked_equals_dense_outputs_and_gradients(case):
 def test_chunked_matches_float64_reference(t, s, causal, window):
     q, k, v, _ = _inputs(3, 2, t, s, 4, 2, 8, 6, jnp.float64)
     lengths = jnp.array([t, max(1, t // 2)], jnp.int32), jnp.array([max(1, s - 3), s], jnp.int32)
-    out = attnjax.dot_product_attention(
+    out = _attention(
         q, k, v, is_causal=causal, window=window, query_lengths=lengths[0],
         key_lengths=lengths[1], implementation="chunked", block_sizes=(4, 8))
     expected = reference.attention(q, k, v, is_causal=causal, window=window,
@@ -112,8 +143,8 @@ def test_chunked_bfloat16_within_1e_2_of_dense():
     q, k, v, d_out = _inputs(5, 2, 40, 56, 4, 2, 16, 16, jnp.bfloat16)
     bias = jnp.zeros((1, 1, 1, 56), jnp.bfloat16)
     options = dict(is_causal=True)
-    dense_out, dense_grads = _outputs_and_grads("dense", q, k, v, d_out, bias, options)
-    out, grads = _outputs_and_grads("chunked", q, k, v, d_out, bias, options, (16, 16))
+    (dense_out, dense_grads), (out, grads) = _outputs_and_grads(
+        q, k, v, d_out, bias, options, (16, 16))
     chex.assert_type([out, *grads[:3]], jnp.bfloat16)
     assert _relative_error(out, dense_out) <= 1e-2
     for g, g_dense in zip(grads[:3], dense_grads[:3]):
@@ -127,7 +158,7 @@ def test_gradients_float64_check_grads():
         return attnjax.dot_product_attention(
             q, k, v, is_causal=True, implementation="chunked", block_sizes=(4, 4))
 
-    jax.test_util.check_grads(fn, (q, k, v), order=1, modes=("rev",))
+    jax.test_util.check_grads(jax.jit(fn), (q, k, v), order=1, modes=("rev",))
 
 
 def test_dropout_is_deterministic_per_rng_and_unbiased():
@@ -137,11 +168,12 @@ def test_dropout_is_deterministic_per_rng_and_unbiased():
         return attnjax.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=key,
                                              implementation="chunked", block_sizes=(8, 8))
 
-    np.testing.assert_array_equal(run(jax.random.key(1)), run(jax.random.key(1)))
-    assert not np.allclose(run(jax.random.key(1)), run(jax.random.key(2)))
+    run_one = jax.jit(run)
+    np.testing.assert_array_equal(run_one(jax.random.key(1)), run_one(jax.random.key(1)))
+    assert not np.allclose(run_one(jax.random.key(1)), run_one(jax.random.key(2)))
     draws = 3000
     outs = np.asarray(jax.jit(jax.vmap(run))(jax.random.split(jax.random.key(4), draws)))
-    expected = np.asarray(attnjax.dot_product_attention(q, k, v, implementation="dense"))
+    expected = np.asarray(_attention(q, k, v, implementation="dense"))
     sem = outs.std(0) / np.sqrt(draws)
     assert np.all(np.abs(outs.mean(0) - expected) <= 5 * sem + 1e-6)
 
@@ -203,9 +235,11 @@ def test_chunked_forward_memory_is_under_a_sixteenth_of_dense_at_8192():
 
 def test_auto_picks_dense_for_weights_and_rejects_them_from_chunked():
     q, k, v, _ = _inputs(1, 1, 600, 600, 1, 1, 4, 4)
-    out, weights = attnjax.dot_product_attention(q, k, v, return_weights=True)
+    (out, weights), auto_out = jax.jit(lambda q, k, v: (
+        attnjax.dot_product_attention(q, k, v, return_weights=True),
+        attnjax.dot_product_attention(q, k, v)))(q, k, v)
     chex.assert_shape(weights, (1, 1, 600, 600))
-    np.testing.assert_allclose(out, attnjax.dot_product_attention(q, k, v), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(out, auto_out, rtol=2e-5, atol=1e-6)
     with pytest.raises(ValueError, match="return_weights=True needs implementation='dense'"):
         attnjax.dot_product_attention(q, k, v, return_weights=True, implementation="chunked")
     with pytest.raises(ValueError, match="block_sizes=.* applies to implementation='chunked'"):
@@ -229,10 +263,11 @@ def test_heads_in_groups_equal_all_heads_at_once(monkeypatch, n, k):
             dropout_rate=0.25, dropout_rng=jax.random.key(8), return_residual=True)
         return jnp.sum(out * d_out) + jnp.sum(jnp.tanh(lse)), (out, lse)
 
-    grad = jax.jit(jax.grad(run, argnums=range(6), has_aux=True))
+    grad = jax.jit(jax.grad(run, argnums=range(6), has_aux=True),
+                   compiler_options=_QUICK_COMPILE)
     together = grad(q, key, v, bias, sinks, slopes)
     monkeypatch.setattr(chunked, "LOGITS_BLOCK_BYTES", 2 * 4 * 8 * 4)  # one head a pass
-    split = jax.jit(jax.grad(run, argnums=range(6), has_aux=True))(q, key, v, bias, sinks,
-                                                                  slopes)
+    split = jax.jit(jax.grad(run, argnums=range(6), has_aux=True),
+                    compiler_options=_QUICK_COMPILE)(q, key, v, bias, sinks, slopes)
     for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(together)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -41,9 +41,16 @@ class _Command:
     """One `attnjax-train` process started in `cwd`; wait() keeps its output."""
 
     def __init__(self, site: Path, cwd: Path, *args: str):
-        # the installed copy only, on one CPU device as a user's machine has
+        # the installed copy only, on one CPU device as a user's machine has (the suite's
+        # other XLA flags kept); every program compiled goes into the suite's compilation
+        # cache, however quickly it compiles, so that a later run loads it
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        if flags:
+            env["XLA_FLAGS"] = " ".join(flags)
         env["PYTHONPATH"] = str(site)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         cwd.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
         self.process = subprocess.Popen([str(site / "bin" / "attnjax-train"), *args], cwd=cwd,

@@ -7,7 +7,6 @@ step for step, for both models; two processes (gloo) equal one."""
 import collections
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from attnjax.toy import train as training
 from attnjax.toy.config import ConfigError, dump_config, load_config
 from tests import training_run
 from tests.numerics import as_users_run
-from tests.test_parallel import _free_port
+from tests.test_parallel import _free_port, process_env
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
                                 "sets --xla_force_host_platform_device_count=4)")
@@ -236,7 +235,7 @@ def test_two_processes_match_one_device(tmp_path, one_device):
     config = tmp_path / "config.yaml"
     config.write_text(dump_config(_config("decoder_only_packed")), encoding="utf-8")
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = process_env(2)
     processes = [subprocess.Popen(
         [sys.executable, "-m", "tests.training_run", str(config), "data=2,seq=2",
          f"127.0.0.1:{port}", "2", str(i)],

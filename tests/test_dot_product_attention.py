@@ -1,5 +1,7 @@
 """Layer 2: batched, multi-head dot_product_attention against references."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 import attnjax
 from tests import reference
+from tests.numerics import QUICK_COMPILE as _QUICK_COMPILE
 
 B, T, S, N, K, H, V = 2, 5, 7, 6, 3, 4, 11
 
@@ -37,6 +40,26 @@ def _jax_nn(query, key, value, **kw):
         with jax.numpy_dtype_promotion("standard"):
             pieces.append(jax.nn.dot_product_attention(query, key, part, **kw)[..., :h - pad])
     return jnp.concatenate(pieces, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "window", "return_weights"),
+                   compiler_options=_QUICK_COMPILE)
+def _attention(*args, **kwargs):
+    """attnjax.dot_product_attention compiled (one program, not one per primitive), with
+    its flags static."""
+    return attnjax.dot_product_attention(*args, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal",), compiler_options=_QUICK_COMPILE)
+def _ours_and_jax_nn(q, k, v, bias, mask, q_len, k_len, *, is_causal):
+    """attnjax and jax.nn on the same inputs, compiled together: one program per shape
+    and option structure (None arrays are empty pytrees), reused across examples,
+    instead of hundreds of eagerly compiled primitives per example."""
+    ours = attnjax.dot_product_attention(
+        q, k, v, bias, mask, is_causal=is_causal, query_lengths=q_len, key_lengths=k_len)
+    theirs = _jax_nn(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
+                     query_seq_lengths=q_len, key_value_seq_lengths=k_len)
+    return ours, theirs
 
 
 # (B, T, S, N, K, H, V): T ≠ S, H ≠ V, grouped and multi-query heads, a single query.
@@ -81,10 +104,8 @@ def test_matches_jax_nn_float32(case):
     if case["lengths"] in ("key", "both"):
         k_len = jax.random.randint(keys[4], (b,), 1, s + 1, jnp.int32)
 
-    ours = attnjax.dot_product_attention(
-        q, kk, v, bias, mask, is_causal=case["causal"], query_lengths=q_len, key_lengths=k_len)
-    theirs = _jax_nn(q, kk, v, bias=bias, mask=mask, is_causal=case["causal"],
-                     query_seq_lengths=q_len, key_value_seq_lengths=k_len)
+    ours, theirs = _ours_and_jax_nn(q, kk, v, bias, mask, q_len, k_len,
+                                    is_causal=case["causal"])
     chex.assert_shape(ours, (b, t, n, case["v"]))
     chex.assert_type(ours, jnp.float32)
 
@@ -93,6 +114,7 @@ def test_matches_jax_nn_float32(case):
     seen = np.ones((b, n, t, s), bool)
     if mask is not None:
         seen &= np.broadcast_to(np.asarray(mask), seen.shape)
+    q_len, k_len = (None if x is None else np.asarray(x) for x in (q_len, k_len))
     for e in range(b):
         seen[e] &= reference.visible(
             t, s, is_causal=case["causal"],
@@ -117,7 +139,7 @@ def test_matches_float64_reference_causal_and_windows(rng, t, s, causal, window)
     q_len = jnp.array([t, max(1, t - 2)], jnp.int32)
     k_len = jnp.array([max(1, s - 1), s], jnp.int32)
     w = (window, window) if isinstance(window, int) else window
-    ours = attnjax.dot_product_attention(
+    ours = _attention(
         q, k, v, bias, is_causal=causal, window=window, query_lengths=q_len, key_lengths=k_len)
     expected = reference.attention(
         q, k, v, bias=bias, is_causal=causal, window=w, query_lengths=q_len, key_lengths=k_len)
@@ -127,7 +149,7 @@ def test_matches_float64_reference_causal_and_windows(rng, t, s, causal, window)
 def test_causal_with_fewer_queries_sees_the_whole_prefix(rng):
     """Bottom-right alignment: the last query sees every key, the first sees S − T + 1."""
     q, k, v = _qkv(rng, t=3, s=8)
-    _, weights = attnjax.dot_product_attention(q, k, v, is_causal=True, return_weights=True)
+    _, weights = _attention(q, k, v, is_causal=True, return_weights=True)
     visible = np.asarray(weights[0, 0] > 0)
     np.testing.assert_array_equal(visible.sum(-1), [6, 7, 8])
     np.testing.assert_array_equal(visible, np.asarray(attnjax.causal_mask(3, 8)))
@@ -136,11 +158,9 @@ def test_causal_with_fewer_queries_sees_the_whole_prefix(rng):
 def test_unbatched_equals_batched(rng):
     q, k, v = _qkv(rng)
     mask = jax.random.bernoulli(jax.random.fold_in(rng, 1), 0.8, (N, T, S))
-    batched = attnjax.dot_product_attention(
-        q, k, v, mask=mask[None], key_lengths=jnp.array([4, 6], jnp.int32))
+    batched = _attention(q, k, v, mask=mask[None], key_lengths=jnp.array([4, 6], jnp.int32))
     for e, k_len in enumerate((4, 6)):
-        single = attnjax.dot_product_attention(
-            q[e], k[e], v[e], mask=mask, key_lengths=jnp.array(k_len, jnp.int32))
+        single = _attention(q[e], k[e], v[e], mask=mask, key_lengths=jnp.array(k_len, jnp.int32))
         np.testing.assert_allclose(single, batched[e], rtol=1e-6)
 
 
@@ -148,16 +168,17 @@ def test_each_head_is_the_core_attention(rng):
     """The batched form is the core applied per (example, query head) with its kv head."""
     q, k, v = _qkv(rng)
     bias = jax.random.normal(jax.random.fold_in(rng, 1), (B, N, T, S), jnp.float32)
-    out, weights = attnjax.dot_product_attention(q, k, v, bias, return_weights=True)
+    out, weights = _attention(q, k, v, bias, return_weights=True)
+    core_attention, core_weights = jax.jit(attnjax.attention), jax.jit(attnjax.attention_weights)
     g = N // K
     for e in range(B):
         for head in range(N):
             args = (q[e, :, head], k[e, :, head // g])
             np.testing.assert_allclose(
-                out[e, :, head], attnjax.attention(*args, v[e, :, head // g], bias=bias[e, head]),
+                out[e, :, head], core_attention(*args, v[e, :, head // g], bias=bias[e, head]),
                 rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(
-                weights[e, head], attnjax.attention_weights(*args, bias=bias[e, head]),
+                weights[e, head], core_weights(*args, bias=bias[e, head]),
                 rtol=1e-5, atol=1e-6)
 
 
@@ -200,8 +221,8 @@ def test_mask_helpers_values():
     assert attnjax.combine_masks(None, None) is None
     # The helpers agree with the options that build the same mask.
     q, k, v = _qkv(jax.random.key(1), t=4, s=5)
-    by_mask = attnjax.dot_product_attention(q, k, v, mask=combined)
-    by_options = attnjax.dot_product_attention(
+    by_mask = _attention(q, k, v, mask=combined)
+    by_options = _attention(
         q, k, v, is_causal=True, query_lengths=lengths, key_lengths=jnp.array([3, 1], jnp.int32))
     np.testing.assert_allclose(by_mask, by_options, rtol=1e-6)
 
@@ -211,4 +232,4 @@ def test_jit_compatible_with_traced_lengths(rng):
     fn = jax.jit(lambda q, k, v, kl: attnjax.dot_product_attention(q, k, v, key_lengths=kl))
     k_len = jnp.array([3, 7], jnp.int32)
     np.testing.assert_allclose(
-        fn(q, k, v, k_len), attnjax.dot_product_attention(q, k, v, key_lengths=k_len), rtol=1e-6)
+        fn(q, k, v, k_len), _attention(q, k, v, key_lengths=k_len), rtol=1e-6)

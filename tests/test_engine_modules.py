@@ -3,6 +3,7 @@ length, the pure and Flax multi-head attention passing masks, positions, score_m
 sinks through, and chunked single-token steps."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -20,11 +21,18 @@ def _x(rng, *shape):
     return jax.random.normal(rng, shape, jnp.float32)
 
 
+# Flax's init/apply, the engine and jax.grad run under jax.jit in these tests: eagerly,
+# XLA compiles every primitive as a program of its own (hundreds per test); jitted, one.
+@functools.partial(jax.jit, static_argnums=2)
+def _noise(x, key, scale):
+    """x + scale · N(0, 1), one program per shape: shared by every tree of that shape."""
+    return x + scale * jax.random.normal(key, x.shape, x.dtype)
+
+
 def _perturbed(params, rng, scale=0.1):
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(rng, len(leaves))
-    return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
-                                     for x, k in zip(leaves, keys)])
+    return jax.tree.unflatten(tree, [_noise(x, k, scale) for x, k in zip(leaves, keys)])
 
 
 @pytest.mark.parametrize("implementation", ["dense", "chunked"])
@@ -33,10 +41,10 @@ def test_cached_decoding_on_either_kernel_equals_the_full_forward(rng, implement
     x = _x(rng, B, length, D)
     full = nn.MultiHeadAttention(num_heads=N, num_kv_heads=K, is_causal=True, window=(6, 0),
                                  implementation=implementation)
-    params = _perturbed(full.init(rng, x)["params"], jax.random.fold_in(rng, 1))
-    expected = full.apply({"params": params}, x)
+    params = _perturbed(jax.jit(full.init)(rng, x)["params"], jax.random.fold_in(rng, 1))
+    expected = jax.jit(full.apply)({"params": params}, x)
     cached = full.clone(decode=True)
-    cache = cached.init(rng, x)["cache"]
+    cache = jax.jit(cached.init)(rng, x)["cache"]
     step = jax.jit(lambda cache, piece: cached.apply(
         {"params": params, "cache": cache}, piece, mutable=["cache"]))
     start = 0
@@ -55,7 +63,7 @@ def test_the_cache_builds_no_query_by_cache_mask(rng):
     x = _x(rng, 1, capacity, D)
     module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True,
                                    implementation="chunked")
-    variables = module.init(rng, x[:, :8])
+    variables = jax.jit(module.init)(rng, x[:, :8])
     cache = jax.tree.map(lambda c: jnp.zeros((1, capacity) + c.shape[2:], c.dtype)
                          if c.ndim == 4 else c, variables["cache"])
     step = lambda cache, piece: module.apply(  # noqa: E731
@@ -89,7 +97,7 @@ def test_chunked_takes_single_queries_and_single_keys(rng, t, s):
             out = attnjax.dot_product_attention(q, k, v, bias, is_causal=True,
                                                 implementation=implementation)
             return jnp.sum(out * jnp.cos(jnp.arange(5.0, dtype=jnp.float32))[None, None, None]), out
-        return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, bias)
 
     (grads, out), (dense_grads, dense_out) = run("chunked"), run("dense")
     np.testing.assert_allclose(out, dense_out, rtol=1e-5, atol=1e-6)
@@ -98,7 +106,8 @@ def test_chunked_takes_single_queries_and_single_keys(rng, t, s):
 
 
 def test_multi_head_attention_passes_masks_positions_score_mods_and_sinks(rng):
-    params = attnjax.init_multi_head_attention(rng, in_features=D, num_heads=N, num_kv_heads=K)
+    params = jax.jit(functools.partial(attnjax.init_multi_head_attention, in_features=D,
+                                       num_heads=N, num_kv_heads=K))(rng)
     x = _x(jax.random.fold_in(rng, 1), B, 10, D)
     ids = jnp.array([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3], jnp.int32)
     positions = jnp.array([list(range(4)) + list(range(6)), list(range(7)) + list(range(3))],
@@ -106,14 +115,15 @@ def test_multi_head_attention_passes_masks_positions_score_mods_and_sinks(rng):
     sinks = _x(jax.random.fold_in(rng, 2), N)
     options = dict(mask=masks.causal() & masks.segments(ids), positions=(positions, positions),
                    score_mod=scores.soft_cap(5.0), sinks=sinks)
-    out, lse = attnjax.multi_head_attention(params, x, return_residual=True, **options)
+    out, lse = jax.jit(lambda params, x: attnjax.multi_head_attention(
+        params, x, return_residual=True, **options))(params, x)
     chex.assert_shape((out, lse), ((B, 10, D), (B, 10, N)))
     # Each packed document alone gives the same rows.
+    alone_call = jax.jit(lambda params, x, sinks: attnjax.multi_head_attention(
+        params, x, is_causal=True, score_mod=scores.soft_cap(5.0), sinks=sinks))
     for b, cut in ((0, 4), (1, 7)):
         for lo, hi in ((0, cut), (cut, 10)):
-            alone = attnjax.multi_head_attention(
-                params, x[b:b + 1, lo:hi], is_causal=True, score_mod=scores.soft_cap(5.0),
-                sinks=sinks)
+            alone = alone_call(params, x[b:b + 1, lo:hi], sinks)
             np.testing.assert_allclose(out[b:b + 1, lo:hi], alone, rtol=1e-5, atol=1e-6)
 
 
@@ -121,39 +131,45 @@ def test_flax_module_learns_sinks_and_applies_its_score_mod(rng):
     x = _x(rng, B, 9, D)
     module = nn.MultiHeadAttention(num_heads=N, is_causal=True, use_sinks=True,
                                    score_mod=scores.soft_cap(3.0))
-    params = _perturbed(module.init(rng, x)["params"], jax.random.fold_in(rng, 1))
+    params = _perturbed(jax.jit(module.init)(rng, x)["params"], jax.random.fold_in(rng, 1))
     chex.assert_shape(params["sinks"], (N,))
-    got = module.apply({"params": params}, x)
-    q, k, v = (jnp.einsum("BLD,DNH->BLNH", x, params[name]["kernel"])
-               + params[name]["bias"][None, None] for name in ("query", "key", "value"))
-    heads = attnjax.dot_product_attention(q, k, v, is_causal=True, sinks=params["sinks"],
-                                          score_mod=scores.soft_cap(3.0))
-    expected = (jnp.einsum("BLNV,NVF->BLF", heads, params["out"]["kernel"])
+    got = jax.jit(module.apply)({"params": params}, x)
+
+    @jax.jit
+    def by_hand(params, x):
+        q, k, v = (jnp.einsum("BLD,DNH->BLNH", x, params[name]["kernel"])
+                   + params[name]["bias"][None, None] for name in ("query", "key", "value"))
+        heads = attnjax.dot_product_attention(q, k, v, is_causal=True, sinks=params["sinks"],
+                                              score_mod=scores.soft_cap(3.0))
+        return (jnp.einsum("BLNV,NVF->BLF", heads, params["out"]["kernel"])
                 + params["out"]["bias"][None, None])
+
+    expected = by_hand(params, x)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    grads = jax.grad(lambda p: jnp.sum(module.apply({"params": p}, x) ** 2))(params)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(module.apply({"params": p}, x) ** 2)))(params)
     assert np.all(np.abs(np.asarray(grads["sinks"])) > 0)
 
 
 def test_flax_module_takes_a_mask_value_and_positions(rng):
     x = _x(rng, B, 8, D)
     module = nn.MultiHeadAttention(num_heads=N)
-    params = _perturbed(module.init(rng, x)["params"], rng)
+    params = _perturbed(jax.jit(module.init)(rng, x)["params"], rng)
     prefix_lm = masks.causal() | masks.prefix(3)
-    got = module.apply({"params": params}, x, mask=prefix_lm)
+    got = jax.jit(functools.partial(module.apply, mask=prefix_lm))({"params": params}, x)
     dense = np.tril(np.ones((8, 8), bool)) | (np.arange(8)[None, :] < 3)
-    expected = module.apply({"params": params}, x, mask=jnp.asarray(dense)[None, None])
+    apply = jax.jit(module.apply)
+    expected = apply({"params": params}, x, mask=jnp.asarray(dense)[None, None])
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     # Positions shifted by a constant leave a causal mask unchanged; reversed, they flip it.
     causal = nn.MultiHeadAttention(num_heads=N, is_causal=True)
+    causal_apply = jax.jit(causal.apply)
     shifted = jnp.arange(8, dtype=jnp.int32) + 100
     reversed_ = jnp.arange(8, dtype=jnp.int32)[::-1]
-    base = causal.apply({"params": params}, x)
+    base = causal_apply({"params": params}, x)
     np.testing.assert_allclose(
-        causal.apply({"params": params}, x, positions=(shifted, shifted)), base, rtol=1e-6)
-    flipped = causal.apply({"params": params}, x[:, ::-1], positions=(reversed_, reversed_))
-    anti = nn.MultiHeadAttention(num_heads=N).apply(
-        {"params": params}, x[:, ::-1], mask=jnp.asarray(np.triu(np.ones((8, 8), bool))))
+        causal_apply({"params": params}, x, positions=(shifted, shifted)), base, rtol=1e-6)
+    flipped = causal_apply({"params": params}, x[:, ::-1], positions=(reversed_, reversed_))
+    anti = apply({"params": params}, x[:, ::-1], mask=jnp.asarray(np.triu(np.ones((8, 8), bool))))
     np.testing.assert_allclose(flipped, anti, rtol=1e-5, atol=1e-6)
 
 
@@ -183,10 +199,12 @@ def test_masked_calls_create_no_inf_or_nan(rng, implementation):
 def test_positions_with_the_kv_cache_are_a_clear_error(rng):
     x = _x(rng, B, 6, D)
     module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True)
-    variables = module.init(rng, x)
+    variables = jax.jit(module.init)(rng, x)
     steps = jnp.arange(2, dtype=jnp.int32)
     with pytest.raises(ValueError, match="positions= cannot be given with decode=True"):
-        module.apply(variables, x[:, :2], positions=(steps, steps), mutable=["cache"])
+        # Under jit: raised while tracing, before anything is compiled.
+        jax.jit(functools.partial(module.apply, mutable=["cache"]))(
+            variables, x[:, :2], positions=(steps, steps))
 
 
 def test_model_configs_carry_soft_caps_and_sinks_into_every_attention(rng):
@@ -194,10 +212,11 @@ def test_model_configs_carry_soft_caps_and_sinks_into_every_attention(rng):
                                   num_layers=2, attention_soft_cap=2.0, attention_sinks=True)
     model = nn.DecoderOnly(config)
     tokens = jax.random.randint(rng, (2, 7), 1, 11, jnp.int32)
-    params = model.init(rng, tokens)["params"]
+    params = jax.jit(model.init)(rng, tokens)["params"]
     assert all(params["decoder"][f"layer_{i}"]["self"]["sinks"].shape == (2,) for i in range(2))
     plain = nn.DecoderOnly(dataclasses.replace(config, attention_soft_cap=None))
-    assert not np.allclose(model.apply({"params": params}, tokens, deterministic=True),
-                           plain.apply({"params": params}, tokens, deterministic=True))
+    assert not np.allclose(
+        jax.jit(functools.partial(model.apply, deterministic=True))({"params": params}, tokens),
+        jax.jit(functools.partial(plain.apply, deterministic=True))({"params": params}, tokens))
     with pytest.raises(ValueError, match="soft_cap needs a positive finite cap; got -1.0"):
         nn.DecoderOnlyConfig(vocab_size=11, attention_soft_cap=-1.0)

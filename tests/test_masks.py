@@ -17,6 +17,7 @@ import attnjax
 from attnjax import masks, scores
 from attnjax.core import MASKED
 from tests import masks_reference as ref
+from tests.numerics import QUICK_COMPILE as _QUICK_COMPILE
 
 # Query and key lengths; 1000 is drawn rarely, and only with one example.
 SIZES = (1, 2, 7, 129, 1000)
@@ -30,7 +31,6 @@ BLOCKS = ((16, 24), (24, 56), (56, 16), (8, 48), None)
 # relative_position_bias's buckets: no distance lands on a bucket boundary, where
 # float32 and float64 logarithms could round to different buckets.
 BUCKETS, MAX_DISTANCE = 10, 20
-_QUICK_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _SETTINGS = dict(deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -250,7 +250,7 @@ def _reference_mod(spec, params):
 
 def _reference_grid(tree, b, n, t, s, q_pos, k_pos):
     """ref.visible, compiled: one program instead of dozens of small ones."""
-    return np.asarray(jax.jit(lambda: ref.visible(tree, b, n, t, s, q_pos, k_pos))())
+    return np.asarray(_quickly_compiled(lambda: ref.visible(tree, b, n, t, s, q_pos, k_pos)))
 
 
 def _normal(rs, shape, dtype=jnp.float64):
@@ -294,8 +294,7 @@ def _problem(case):
                   sinks=_normal(rs, (n,)) if case["sinks"] else None,
                   params=_draw_params(_mod_arrays(case["mod"]), n, rs))
     cotangents = (_normal(rs, (b, t, n, V)), _normal(rs, (b, t, n)))
-    see = _reference_grid(tree, b, n, t, s, q_pos, k_pos)
-    return mask, positions, (q_pos, k_pos), see, inputs, cotangents
+    return mask, positions, (q_pos, k_pos), tree, inputs, cotangents
 
 
 def _quickly_compiled(fn, *args):
@@ -322,7 +321,8 @@ def _values_and_grads(run, inputs, cotangents):
 def _compare(case, tol=1e-9, *, quick=False):
     """Dense and chunked (float64) equal the reference: output, log-sum-exp and every
     gradient. quick: compile the kernels as the reference is (`_quickly_compiled`)."""
-    mask, positions, (q_pos, k_pos), see, inputs, cotangents = _problem(case)
+    mask, positions, (q_pos, k_pos), tree, inputs, cotangents = _problem(case)
+    b, t, s, n, _ = case["shape"]
     spec = case["mod"]
 
     def engine(implementation, mask, positions):
@@ -343,10 +343,20 @@ def _compare(case, tol=1e-9, *, quick=False):
         return [_values_and_grads(engine(name, mask, positions), inputs, cotangents)
                 for name in ("dense", "chunked")]
 
-    expected, expected_grads = _quickly_compiled(
-        lambda inputs, see: _values_and_grads(reference(see), inputs, cotangents), inputs, see)
-    engines = (_quickly_compiled if quick else lambda fn, *args: jax.jit(fn)(*args))(
-        engines, inputs, mask, positions)
+    def everything(inputs, mask, positions):
+        see = ref.visible(tree, b, n, t, s, q_pos, k_pos)
+        return see, _values_and_grads(reference(see), inputs, cotangents), engines(
+            inputs, mask, positions)
+
+    if quick:  # the reference grid, the reference and both kernels: one program
+        see, (expected, expected_grads), engines = _quickly_compiled(
+            everything, inputs, mask, positions)
+    else:
+        see = _reference_grid(tree, b, n, t, s, q_pos, k_pos)
+        expected, expected_grads = _quickly_compiled(
+            lambda inputs, see: _values_and_grads(reference(see), inputs, cotangents), inputs,
+            see)
+        engines = jax.jit(engines)(inputs, mask, positions)
     for name, (values, grads) in zip(("dense", "chunked"), engines):
         _assert_close(f"{name} output", values[0], expected[0], tol)
         _assert_lse_close(f"{name} log-sum-exp", values[1], expected[1], tol)
@@ -422,7 +432,8 @@ def test_float32_dense_equals_chunked():
                 sinks=sinks, implementation=implementation,
                 block_sizes=(24, 40) if implementation == "chunked" else None)
             return jnp.sum(out * x[4]), out
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*x[:4], slopes)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True),
+                       compiler_options=_QUICK_COMPILE)(*x[:4], slopes)
 
     (grads, out), (dense_grads, dense_out) = run("chunked"), run("dense")
     chex.assert_type([out, *grads], jnp.float32)
@@ -451,7 +462,7 @@ def test_rows_that_see_nothing_give_zeros_and_zero_finite_gradients(implementati
     mask = (masks.lengths(jnp.asarray(q_len), jnp.asarray(k_len)) & masks.causal()
             & masks.from_array(jnp.asarray(hidden_row)))
     tree = ("and", ("and", ("lengths", q_len, k_len), ("causal",)), ("array", hidden_row))
-    see = np.asarray(ref.visible(tree, b, n, t, s))
+    see = _reference_grid(tree, b, n, t, s, None, None)
     dead = ~see.any(axis=-1).transpose(0, 2, 1)  # [B, T, N]
     assert dead.any() and not dead.all()
     padding = np.arange(s)[None, :, None, None] >= k_len[:, None, None, None]  # [B, S, 1, 1]
@@ -466,7 +477,8 @@ def test_rows_that_see_nothing_give_zeros_and_zero_finite_gradients(implementati
                                             implementation=implementation)
         return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
 
-    grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+    grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True),
+                         compiler_options=_QUICK_COMPILE)(
         q.astype(dtype), *poisoned, None if sinks is None else sinks.astype(dtype))
     chex.assert_type(out, dtype)
     chex.assert_tree_all_finite((out, grads))
@@ -484,7 +496,7 @@ def test_rows_that_see_nothing_give_zeros_and_zero_finite_gradients(implementati
 # The rules themselves: the elementwise answer and the block classes.
 
 
-@functools.partial(jax.jit, static_argnames=("t", "s", "blocks"))
+@functools.partial(jax.jit, static_argnames=("t", "s", "blocks"), compiler_options=_QUICK_COMPILE)
 def _visible_and_classes(bound, *, t, s, blocks):
     """Mask.visible `[B, N, T, S]` and the block classes `[B, N, nq, nk]` of every
     (example, head) of each bound mask, padded to whole blocks as the chunked kernel pads
@@ -772,9 +784,9 @@ def test_vmap_and_jit_over_an_extra_axis_with_traced_segment_ids(implementation)
 
     args = (q, key, value, ids, prefix, k_len)
     grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
-    grads, out = jax.jit(jax.vmap(grad))(*args)
+    grads, out = jax.jit(jax.vmap(grad), compiler_options=_QUICK_COMPILE)(*args)
     chex.assert_shape(out, (e, b, t, n, V))
-    alone = jax.jit(grad)
+    alone = jax.jit(grad, compiler_options=_QUICK_COMPILE)
     for i in range(e):
         args_i = [x[i] for x in args]
         tree = ("and", ("and", ("or", ("causal",), ("prefix", np.asarray(prefix[i]))),

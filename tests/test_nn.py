@@ -20,12 +20,32 @@ def _x(rng, *shape, dtype=jnp.float32):
     return jax.random.normal(rng, shape, dtype)
 
 
+# Flax's init/apply and jax.grad run under jax.jit in these tests: eagerly, XLA compiles
+# every primitive as a program of its own (hundreds per test); jitted, one program.
+@functools.partial(jax.jit, static_argnums=2)
+def _noise(x, key, scale):
+    """x + scale · N(0, 1), one program per shape: shared by every tree of that shape."""
+    return x + scale * jax.random.normal(key, x.shape, x.dtype)
+
+
 def _perturbed(params, rng, scale=0.1):
     """Non-zero biases and non-default kernels, so nothing passes by being zero."""
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(rng, len(leaves))
-    return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
-                                     for x, k in zip(leaves, keys)])
+    return jax.tree.unflatten(tree, [_noise(x, k, scale) for x, k in zip(leaves, keys)])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init(module, rngs, *args):
+    """module.init(rngs, *args), jitted: one program per (module, shapes), shared by the
+    tests that build an equal module (flax modules compare by their fields)."""
+    return module.init(rngs, *args)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(module, variables, *args):
+    """module.apply(variables, *args), jitted and shared as _init."""
+    return module.apply(variables, *args)
 
 
 # --- MultiHeadAttention against flax -------------------------------------------------
@@ -41,28 +61,29 @@ def test_mha_params_and_outputs_equal_flax(rng, kind):
     ours = nn.MultiHeadAttention(num_heads=N, qkv_features=16, out_features=9)
     theirs = flax_nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=16, out_features=9)
     with jax.numpy_dtype_promotion("standard"):
-        flax_params = theirs.init(rng, x, y)["params"]
-    our_params = ours.init(rng, x, y)["params"]
+        flax_params = _init(theirs, rng, x, y)["params"]
+    our_params = _init(ours, rng, x, y)["params"]
     chex.assert_trees_all_equal_shapes_and_dtypes(our_params, flax_params)
     flax_params = _perturbed(flax_params, rng)
     with jax.numpy_dtype_promotion("standard"):
-        expected = theirs.apply({"params": flax_params}, x, y, mask=mask)
-    got = ours.apply({"params": flax_params}, x, y, mask=mask)
+        expected = jax.jit(theirs.apply)({"params": flax_params}, x, y, mask=mask)
+    got = jax.jit(ours.apply)({"params": flax_params}, x, y, mask=mask)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_mha_dropout_follows_flax_broadcast_convention(rng):
     x = _x(rng, B, T, D)
     module = nn.MultiHeadAttention(num_heads=N, dropout_rate=0.5, deterministic=False)
-    params = module.init({"params": rng, "dropout": rng}, x)["params"]
-    run = lambda m, key: m.apply({"params": params}, x, rngs={"dropout": key})  # noqa: E731
-    np.testing.assert_array_equal(run(module, jax.random.key(1)), run(module, jax.random.key(1)))
-    assert not np.allclose(run(module, jax.random.key(1)), run(module, jax.random.key(2)))
+    params = _init(module, {"params": rng, "dropout": rng}, x)["params"]
+    apply = jax.jit(module.apply)
+    run = lambda key: apply({"params": params}, x, rngs={"dropout": key})  # noqa: E731
+    np.testing.assert_array_equal(run(jax.random.key(1)), run(jax.random.key(1)))
+    assert not np.allclose(run(jax.random.key(1)), run(jax.random.key(2)))
     # broadcast_dropout=True shares one mask by every example: identical examples stay so.
     same = jnp.broadcast_to(x[:1], x.shape)
-    shared = module.apply({"params": params}, same, rngs={"dropout": jax.random.key(3)})
+    shared = apply({"params": params}, same, rngs={"dropout": jax.random.key(3)})
     np.testing.assert_allclose(shared[0], shared[1], rtol=1e-6)
-    independent = module.clone(broadcast_dropout=False).apply(
+    independent = jax.jit(module.clone(broadcast_dropout=False).apply)(
         {"params": params}, same, rngs={"dropout": jax.random.key(3)})
     assert not np.allclose(independent[0], independent[1])
 
@@ -76,10 +97,10 @@ def test_cached_decoding_equals_full_causal_forward(rng, chunk, num_kv_heads):
     length = 14
     x = _x(rng, B, length, D)
     full = nn.MultiHeadAttention(num_heads=N, num_kv_heads=num_kv_heads, is_causal=True)
-    params = _perturbed(full.init(rng, x)["params"], jax.random.fold_in(rng, 1))
-    expected = full.apply({"params": params}, x)
+    params = _perturbed(_init(full, rng, x)["params"], jax.random.fold_in(rng, 1))
+    expected = _apply(full, {"params": params}, x)
     cached = full.clone(decode=True)
-    cache = cached.init(rng, x)["cache"]
+    cache = _init(cached, rng, x)["cache"]
     # With GQA the cache holds K heads, not N.
     chex.assert_shape(cache["cached_key"], (B, length, num_kv_heads or N, D // N))
     step = jax.jit(lambda cache, piece: cached.apply(
@@ -97,8 +118,9 @@ def test_cached_decoding_equals_full_causal_forward(rng, chunk, num_kv_heads):
 def test_cache_overrun_is_a_clear_error(rng):
     x = _x(rng, B, 4, D)
     module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True)
-    variables = module.init(rng, x)
-    _, mutated = module.apply(variables, x[:, :3], mutable=["cache"])
+    variables = _init(module, rng, x)
+    _, mutated = jax.jit(functools.partial(module.apply, mutable=["cache"]))(variables, x[:, :3])
+    # Eager, as a user calls it: the cache index is concrete, so the overrun is raised.
     with pytest.raises(ValueError, match="KV cache overrun: 2 new tokens at position 3 exceed "
                                          "the cache length 4"):
         module.apply({"params": variables["params"], **mutated}, x[:, :2], mutable=["cache"])
@@ -110,7 +132,7 @@ def test_cache_overrun_under_jit_is_logged_not_an_internal_error(rng, caplog):
     output stays finite, instead of an XLA INTERNAL error."""
     x = _x(rng, B, 4, D)
     module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True)
-    variables = module.init(rng, x)
+    variables = _init(module, rng, x)
     step = jax.jit(lambda cache, x: module.apply({"params": variables["params"], **cache}, x,
                                                  mutable=["cache"]))
     _, mutated = step({"cache": variables["cache"]}, x[:, :3])
@@ -130,8 +152,8 @@ def test_general_and_additive_scores_against_hand_computed_values(rng):
     x = _x(rng, 1, 3, 8)
     for score in ("general", "additive"):
         module = nn.MultiHeadAttention(num_heads=2, score=score)
-        params = _perturbed(module.init(rng, x)["params"], rng)
-        got = np.asarray(module.apply({"params": params}, x), np.float64)
+        params = _perturbed(_init(module, rng, x)["params"], rng)
+        got = np.asarray(jax.jit(module.apply)({"params": params}, x), np.float64)
         p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
         xn = np.asarray(x[0], np.float64)
         q = np.einsum("td,dnh->tnh", xn, p["query"]["kernel"]) + p["query"]["bias"]
@@ -155,9 +177,9 @@ def test_general_and_additive_scores_against_hand_computed_values(rng):
 
 def test_dot_score_is_unscaled(rng):
     x = _x(rng, B, T, D)
-    params = nn.MultiHeadAttention(num_heads=N).init(rng, x)["params"]
-    dot = nn.MultiHeadAttention(num_heads=N, score="dot").apply({"params": params}, x)
-    expected = attnjax.multi_head_attention(params, x, scale=1.0)
+    params = _init(nn.MultiHeadAttention(num_heads=N), rng, x)["params"]
+    dot = jax.jit(nn.MultiHeadAttention(num_heads=N, score="dot").apply)({"params": params}, x)
+    expected = jax.jit(functools.partial(attnjax.multi_head_attention, scale=1.0))(params, x)
     np.testing.assert_allclose(dot, expected, rtol=1e-6)
 
 
@@ -177,9 +199,9 @@ def _tokens(rng, b, length, vocab):
 def test_sown_weights_have_a_shape_for_every_layer(rng):
     model = nn.Transformer(_transformer())
     src, tgt = _tokens(rng, B, S, 11), _tokens(jax.random.fold_in(rng, 1), B, T, 13)
-    params = model.init(rng, src, tgt)["params"]
-    _, state = model.apply({"params": params}, src, tgt, sow_weights=True,
-                           deterministic=True, mutable=["intermediates"])
+    params = _init(model, rng, src, tgt)["params"]
+    _, state = jax.jit(functools.partial(model.apply, sow_weights=True, deterministic=True,
+                                         mutable=["intermediates"]))({"params": params}, src, tgt)
     maps = nn.attention_maps(state["intermediates"])
     expected = {f"encoder/layer_{i}/self": (B, 2, S, S) for i in range(2)}
     expected |= {f"decoder/layer_{i}/self": (B, 2, T, T) for i in range(2)}
@@ -190,8 +212,8 @@ def test_sown_weights_have_a_shape_for_every_layer(rng):
 def test_encoder_is_permutation_equivariant_without_positions(rng):
     model = nn.Transformer(_transformer(positional="none", dropout_rate=0.0))
     src = _tokens(rng, B, S, 11)
-    params = model.init(rng, src, src[:, :3])["params"]
-    encode = lambda s: model.apply({"params": params}, s, method=nn.Transformer.encode)  # noqa: E731
+    params = _init(model, rng, src, src[:, :3])["params"]
+    encode = jax.jit(lambda s: model.apply({"params": params}, s, method=nn.Transformer.encode))
     perm = jax.random.permutation(jax.random.fold_in(rng, 1), S)
     np.testing.assert_allclose(encode(src[:, perm]), encode(src)[:, perm], rtol=1e-5, atol=1e-5)
 
@@ -207,14 +229,14 @@ def test_every_parameter_receives_a_gradient(rng, which):
         model = nn.DecoderOnly(nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2,
                                                     d_ff=24, max_len=20, positional="learned"))
         args = (_tokens(rng, B, 20, 13),)
-    params = model.init(rng, *args)["params"]
+    params = _init(model, rng, *args)["params"]
 
     def loss(params):
         logits = model.apply({"params": params}, *args, deterministic=False,
                              rngs={"dropout": jax.random.key(1)})
         return jnp.mean(jax.nn.log_softmax(logits)[..., 1])
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     zero = [jax.tree_util.keystr(path) for path, g in flat if not jnp.any(g != 0)]
     assert not zero, f"parameters without gradient: {zero}"
@@ -225,8 +247,9 @@ def test_post_ln_and_pre_ln_differ_and_run(rng):
     outs = []
     for pre_ln in (True, False):
         model = nn.Transformer(_transformer(pre_ln=pre_ln))
-        params = model.init(rng, src, tgt)["params"]
-        outs.append(model.apply({"params": params}, src, tgt, deterministic=True))
+        params = _init(model, rng, src, tgt)["params"]
+        outs.append(jax.jit(functools.partial(model.apply, deterministic=True))(
+            {"params": params}, src, tgt))
         chex.assert_shape(outs[-1], (B, T, 13))
         chex.assert_tree_all_finite(outs[-1])
     assert not np.allclose(outs[0], outs[1])
@@ -237,7 +260,7 @@ def test_greedy_decode_matches_step_by_step_full_recomputation(rng):
     model = nn.Transformer(config)
     src = _tokens(rng, B, S, 11)
     src_lengths = jnp.array([S, 4], jnp.int32)
-    params = _perturbed(model.init(rng, src, src[:, :3])["params"], rng, 0.5)
+    params = _perturbed(_init(model, rng, src, src[:, :3])["params"], rng, 0.5)
     out = nn.greedy_decode(model, params, src, src_lengths, max_len=6, bos_id=1, eos_id=2)
     chex.assert_shape(out, (B, 6))
     # Without the cache: feed the whole prefix every step, padded to one length (the
@@ -260,7 +283,7 @@ def test_generate_greedy_matches_full_forward_and_sampling_uses_the_rng(rng):
                                   d_ff=24, max_len=20)
     model = nn.DecoderOnly(config)
     prompt = _tokens(rng, B, 4, 13)
-    params = _perturbed(model.init(rng, prompt)["params"], rng, 0.5)
+    params = _perturbed(_init(model, rng, prompt)["params"], rng, 0.5)
     out = nn.generate(model, params, prompt, max_new_tokens=5)
     chex.assert_shape(out, (B, 9))
     np.testing.assert_array_equal(out[:, :4], prompt)
@@ -311,7 +334,7 @@ def test_greedy_decode_projects_the_memory_once(rng):
     model = nn.Transformer(config)
     src = _tokens(rng, B, S, 11)
     src_lengths = jnp.array([S, 3], jnp.int32)
-    params = _perturbed(model.init(rng, src, src[:, :3])["params"], rng, 0.5)
+    params = _perturbed(_init(model, rng, src, src[:, :3])["params"], rng, 0.5)
     kwargs = dict(max_len=7, bos_id=1, eos_id=2, pad_id=0)
     once = nn.greedy_decode(model, params, src, src_lengths, **kwargs)
     every = nn.greedy_decode(model, params, src, src_lengths, memory_cache=False, **kwargs)

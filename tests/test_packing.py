@@ -3,6 +3,7 @@ the logits, loss and gradients it gets alone; left-padded prompts generate what 
 generate alone; packed batches are a function of (seed, step); the command line trains
 decoder-only models, packed or not, and resumes them exactly."""
 
+import functools
 import json
 import shutil
 import subprocess
@@ -30,11 +31,18 @@ LENGTHS = ((5, 9, 3), (7, 4, 6))
 ROW = 19
 
 
+# Flax's init/apply run under jax.jit in these tests: eagerly, XLA compiles every
+# primitive as a program of its own (hundreds per test); jitted, one program.
+@functools.partial(jax.jit, static_argnums=2)
+def _noise(x, key, scale):
+    """x + scale · N(0, 1), one program per shape: shared by every tree of that shape."""
+    return x + scale * jax.random.normal(key, x.shape, x.dtype)
+
+
 def _perturbed(params, rng, scale=0.3):
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(rng, len(leaves))
-    return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
-                                     for x, k in zip(leaves, keys)])
+    return jax.tree.unflatten(tree, [_noise(x, k, scale) for x, k in zip(leaves, keys)])
 
 
 def _packed_rows(rng, vocab: int):
@@ -64,7 +72,7 @@ def test_decoder_only_packed_row_equals_each_example_alone(rng, positional, num_
         vocab_size=13, d_model=16, num_heads=2, num_kv_heads=num_kv_heads, d_ff=24, max_len=23,
         num_layers=2, positional=positional, dropout_rate=0.0, implementation=implementation))
     tokens, segments, positions, examples = _packed_rows(rng, 13)
-    params = _perturbed(model.init(rng, tokens)["params"], jax.random.fold_in(rng, 1))
+    params = _perturbed(jax.jit(model.init)(rng, tokens)["params"], jax.random.fold_in(rng, 1))
     apply = jax.jit(model.apply)
     # [B, L, V]
     packed = apply({"params": params}, tokens, segment_ids=segments, positions=positions)
@@ -99,23 +107,26 @@ def test_transformer_packed_rows_equal_each_example_alone(rng):
         tgt_positions[row, first:first + n] = np.arange(n)
         targets.append((slice(first, first + n), example))
         start[row] = first + n
-    params = _perturbed(model.init(rng, src, tgt)["params"], jax.random.fold_in(rng, 1))
-    packed = model.apply({"params": params}, src, tgt, src_segment_ids=src_segments,
-                         tgt_segment_ids=tgt_segments, src_positions=src_positions,
-                         tgt_positions=tgt_positions)
+    params = _perturbed(jax.jit(model.init)(rng, src, tgt)["params"], jax.random.fold_in(rng, 1))
+    apply = jax.jit(model.apply)
+    packed = apply({"params": params}, src, tgt, src_segment_ids=src_segments,
+                   tgt_segment_ids=tgt_segments, src_positions=src_positions,
+                   tgt_positions=tgt_positions)
     chex.assert_tree_all_finite(packed)
     for (row, _, source), (where, target) in zip(sources, targets):
-        alone = model.apply({"params": params}, source[None], target[None])[0]
+        alone = apply({"params": params}, source[None], target[None])[0]
         np.testing.assert_allclose(packed[row, where], alone, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="tgt_segment_ids needs src_segment_ids too"):
-        model.apply({"params": params}, src, tgt, tgt_segment_ids=tgt_segments)
+        apply({"params": params}, src, tgt, tgt_segment_ids=tgt_segments)
 
 
 @pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
 def test_positions_default_to_0_to_length(rng, positional):
     x = jax.random.normal(rng, (2, 7, 16), jnp.float32)
     module = nn.PositionalEncoding(max_len=11, kind=positional)
-    params = _perturbed(module.init(rng, x), rng)
+    params = _perturbed(jax.jit(module.init)(rng, x), rng)
+    # Applied eagerly: under jit the default positions are constants XLA may fold, which
+    # need not agree bit for bit with the explicit ones computed at run time.
     explicit = module.apply(params, x, jnp.broadcast_to(jnp.arange(7), (2, 7)))
     np.testing.assert_array_equal(module.apply(params, x), explicit)
     shifted = module.apply(params, x, jnp.broadcast_to(jnp.arange(3, 10), (2, 7)))
@@ -130,7 +141,7 @@ def test_generate_left_padded_prompts_equal_each_prompt_alone(rng):
     lengths = np.array([5, 2, 4], np.int32)
     prompt = np.asarray(jax.random.randint(rng, (3, 5), 3, 13), np.int32)
     prompt[np.arange(5)[None, :] < 5 - lengths[:, None]] = PAD
-    params = _perturbed(model.init(rng, prompt)["params"], rng, 0.5)
+    params = _perturbed(jax.jit(model.init)(rng, prompt)["params"], rng, 0.5)
     out = nn.generate(model, params, prompt, lengths, max_new_tokens=6)
     for b, n in enumerate(lengths):
         alone = nn.generate(model, params, prompt[b:b + 1, 5 - n:], max_new_tokens=6)
@@ -229,8 +240,8 @@ def test_packed_loss_and_gradients_equal_the_examples_alone(float32):
     count = sum(weights)
     assert len(weights) > 3 and packed_metrics["tokens"] == count == (packed.labels != PAD).sum()
     np.testing.assert_allclose(packed_metrics["accuracy"], correct / count, rtol=1e-6)
-    expected = jax.tree.map(lambda *g: sum(w * x for w, x in zip(weights, g)) / count,
-                            *alone_grads)
+    expected = jax.jit(lambda grads: jax.tree.map(
+        lambda *g: sum(w * x for w, x in zip(weights, g)) / count, *grads))(alone_grads)
     chex.assert_trees_all_close(packed_grads, expected, rtol=2e-4, atol=1e-7)
 
 

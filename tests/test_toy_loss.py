@@ -1,6 +1,8 @@
 """The training objective and schedule: padding never counts, label smoothing is the
 cross-entropy against smoothed targets, and the learning-rate schedules have their shape."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,16 @@ from attnjax.toy.config import OptimConfig, load_config
 from attnjax.toy.sequences import DecoderOnlyFormat
 from attnjax.toy.tasks import PAD, Batch
 
+# The model runs under jax.jit: eagerly, XLA compiles every primitive of init, apply and
+# the loss as a program of its own (hundreds per test); jitted, one program each.
+# The model and the label smoothing stay Python values, as in an eager call.
+_loss_and_metrics = jax.jit(training.loss_and_metrics, static_argnums=(2, 3))
+
+
+def _logits(model, params, *inputs):
+    return jax.jit(functools.partial(model.apply, deterministic=True))({"params": params},
+                                                                       *inputs)
+
 
 @pytest.fixture
 def setup(float32):
@@ -20,8 +32,8 @@ def setup(float32):
     task = make_task(config.task)
     model = training.make_model(config, task)
     batch = task.sample(np.random.default_rng(7), 13)
-    params = model.init(jax.random.key(3), batch.src, batch.tgt_in,
-                        batch.src_lengths)["params"]
+    params = jax.jit(model.init)(jax.random.key(3), batch.src, batch.tgt_in,
+                                 batch.src_lengths)["params"]
     return model, params, batch
 
 
@@ -35,8 +47,8 @@ def test_loss_ignores_padding(setup):
     noisy = Batch(src.astype(np.int32), batch.src_lengths, tgt_in.astype(np.int32),
                   batch.tgt_out)
     assert (noisy.src != batch.src).any() and (noisy.tgt_in != batch.tgt_in).any()
-    loss, metrics = training.loss_and_metrics(params, batch, model, 0.1)
-    noisy_loss, noisy_metrics = training.loss_and_metrics(params, noisy, model, 0.1)
+    loss, metrics = _loss_and_metrics(params, batch, model, 0.1)
+    noisy_loss, noisy_metrics = _loss_and_metrics(params, noisy, model, 0.1)
     np.testing.assert_allclose(noisy_loss, loss, rtol=1e-5)
     assert metrics["tokens"] == (batch.tgt_out != PAD).sum()
     np.testing.assert_allclose(noisy_metrics["accuracy"], metrics["accuracy"], rtol=1e-6)
@@ -45,9 +57,9 @@ def test_loss_ignores_padding(setup):
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
 def test_loss_is_smoothed_cross_entropy_over_target_tokens(setup, smoothing):
     model, params, batch = setup
-    loss, _ = training.loss_and_metrics(params, batch, model, smoothing)
-    logits = np.asarray(model.apply({"params": params}, batch.src, batch.tgt_in,
-                                    batch.src_lengths, deterministic=True), np.float64)
+    loss, _ = _loss_and_metrics(params, batch, model, smoothing)
+    logits = np.asarray(_logits(model, params, batch.src, batch.tgt_in, batch.src_lengths),
+                        np.float64)
     log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     vocab = logits.shape[-1]
     total, count = 0.0, 0
@@ -66,12 +78,11 @@ def test_decoder_only_loss_counts_target_tokens_only(float32):
     model = training.make_model(config, task)
     examples = task.sample(np.random.default_rng(7), 13)
     batch = DecoderOnlyFormat(task).rows(examples)
-    params = model.init(jax.random.key(3), batch.tokens)["params"]
-    loss, metrics = training.loss_and_metrics(params, batch, model, 0.2)
+    params = jax.jit(model.init)(jax.random.key(3), batch.tokens)["params"]
+    loss, metrics = _loss_and_metrics(params, batch, model, 0.2)
     # the encoder–decoder's labels: each target and its eos, nothing of the prompt
     assert metrics["tokens"] == (examples.tgt_out != PAD).sum() == (batch.labels != PAD).sum()
-    logits = np.asarray(model.apply({"params": params}, batch.tokens, deterministic=True),
-                        np.float64)
+    logits = np.asarray(_logits(model, params, batch.tokens), np.float64)
     log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     vocab = logits.shape[-1]
     rows, cols = np.nonzero(batch.labels != PAD)
@@ -81,12 +92,12 @@ def test_decoder_only_loss_counts_target_tokens_only(float32):
 
 
 def test_schedules():
-    cosine = training.learning_rate_schedule(
-        OptimConfig(learning_rate=2e-3, warmup_steps=10, end_learning_rate=1e-5), 100)
+    cosine = jax.jit(training.learning_rate_schedule(
+        OptimConfig(learning_rate=2e-3, warmup_steps=10, end_learning_rate=1e-5), 100))
     np.testing.assert_allclose([cosine(0), cosine(5), cosine(10), cosine(100)],
                                [0.0, 1e-3, 2e-3, 1e-5], rtol=1e-5, atol=1e-9)
     assert cosine(50) > cosine(80) > cosine(99)
-    paper = training.learning_rate_schedule(
-        OptimConfig(learning_rate=2e-3, warmup_steps=16, schedule="inverse_sqrt"), 100)
+    paper = jax.jit(training.learning_rate_schedule(
+        OptimConfig(learning_rate=2e-3, warmup_steps=16, schedule="inverse_sqrt"), 100))
     np.testing.assert_allclose([paper(4), paper(16), paper(64)], [5e-4, 2e-3, 1e-3], rtol=1e-6)
     assert jnp.isfinite(paper(0))

@@ -84,7 +84,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, float32):
 
 
 def _cli(workdir: Path, *args: str) -> list[str]:
-    overrides = [arg for o in TINY + ["steps=200", "eval_every=100", "checkpoint_every=20"]
+    overrides = [arg for o in TINY + ["steps=100", "eval_every=50", "checkpoint_every=20"]
                  for arg in ("--set", o)]
     return [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(workdir), *overrides,
             *args]
@@ -98,40 +98,67 @@ def _wait_for_checkpoint(workdir: Path, process, step: int, timeout: float = 120
         time.sleep(0.02)
 
 
+def _wait_for_evaluation(workdir: Path, process, timeout: float = 300.0):
+    """Until the run in workdir has written its first evaluation: by then it has compiled
+    (and put in the compilation cache) every program a run of its config runs."""
+    deadline = time.monotonic() + timeout
+    metrics = workdir / "metrics.jsonl"
+    while not (metrics.exists() and "eval_exact_match" in metrics.read_text()):
+        if process.poll() is not None:   # ended: it must have evaluated first
+            assert metrics.exists() and "eval_exact_match" in metrics.read_text(), \
+                process.communicate()
+            return
+        assert time.monotonic() < deadline, "no evaluation in time"
+        time.sleep(0.02)
+
+
 def _latest(workdir: Path) -> int:
     return max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
 def test_killed_and_interrupted_runs_resume_to_the_uninterrupted_metrics(tmp_path):
-    """Four runs of one config side by side: whole, again (same seed), killed with
-    SIGKILL and interrupted with SIGINT mid-run; the last two are then rerun."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    """Four runs of one config: whole, again (same seed), killed with SIGKILL and
+    interrupted with SIGINT mid-run; the last two are then rerun. The other three start
+    once whole has compiled its programs, and they and the reruns load them from the
+    suite's compilation cache (every program cached, however quickly it compiles)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     names = ("whole", "again", "killed", "interrupted")
-    processes = {name: subprocess.Popen(_cli(tmp_path / name), env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True) for name in names}
+
+    def start(name):
+        return subprocess.Popen(_cli(tmp_path / name), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    processes = {"whole": start("whole")}
     cut = (("killed", signal.SIGKILL, -9), ("interrupted", signal.SIGINT, 130))
+    reruns = {}
     try:
+        _wait_for_evaluation(tmp_path / "whole", processes["whole"])
+        processes.update({name: start(name) for name in names[1:]})
         for name, sig, _ in cut:
             _wait_for_checkpoint(tmp_path / name, processes[name], 40)
             processes[name].send_signal(sig)
         for name, sig, code in cut:
             output, _ = processes[name].communicate(timeout=120)
             assert processes[name].returncode == code, output
-            assert 40 <= _latest(tmp_path / name) < 200
+            assert 40 <= _latest(tmp_path / name) < 100
             if sig == signal.SIGINT:
                 assert "rerun the same command to resume" in output
-            resumed = subprocess.run(_cli(tmp_path / name), env=env, capture_output=True,
-                                     text=True, timeout=300)
-            assert resumed.returncode == 0, resumed.stderr
-            assert "resuming" in resumed.stdout
+        # the reruns side by side
+        reruns = {name: subprocess.Popen(_cli(tmp_path / name), env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+                  for name, _, _ in cut}
+        for name, resumed in reruns.items():
+            stdout, stderr = resumed.communicate(timeout=300)
+            assert resumed.returncode == 0, stderr
+            assert "resuming" in stdout
         for name in ("whole", "again"):
             output, _ = processes[name].communicate(timeout=300)
             assert processes[name].returncode == 0, output
     finally:
-        for process in processes.values():
+        for process in [*processes.values(), *reruns.values()]:
             process.kill()
     whole = _records(tmp_path / "whole")
-    assert len(whole) == 22   # 20 log records and 2 evaluations
+    assert len(whole) == 12   # 10 log records and 2 evaluations
     for name in names[1:]:
         assert _records(tmp_path / name) == whole, name
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import children
+
 ROOT = Path(__file__).resolve().parents[1]
 # the shipped copy_decoder_only config made tiny (a decoder-only model compiles fastest)
 TINY = ["task.num_symbols=5", "task.max_len=4", "task.eval_size=40", "model.d_model=16",
@@ -41,16 +43,9 @@ class _Command:
     """One `attnjax-train` process started in `cwd`; wait() keeps its output."""
 
     def __init__(self, site: Path, cwd: Path, *args: str):
-        # the installed copy only, on one CPU device as a user's machine has (the suite's
-        # other XLA flags kept); every program compiled goes into the suite's compilation
-        # cache, however quickly it compiles, so that a later run loads it
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        if flags:
-            env["XLA_FLAGS"] = " ".join(flags)
-        env["PYTHONPATH"] = str(site)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        # the installed copy only (nothing from the clone on the path), on one CPU device as
+        # a user's machine has
+        env = children.environment(None, PYTHONPATH=str(site))
         cwd.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
         self.process = subprocess.Popen([str(site / "bin" / "attnjax-train"), *args], cwd=cwd,

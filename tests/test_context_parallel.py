@@ -24,9 +24,9 @@ from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import cli, make_task, sequence_parallel
 from attnjax.toy import train as training
 from attnjax.toy.config import ConfigError, dump_config, load_config
-from tests import training_run
+from tests import children, training_run
 from tests.numerics import as_users_run
-from tests.test_parallel import _free_port, process_env
+from tests.test_parallel import _free_port
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
                                 "sets --xla_force_host_platform_device_count=4)")
@@ -235,7 +235,7 @@ def test_two_processes_match_one_device(tmp_path, one_device):
     config = tmp_path / "config.yaml"
     config.write_text(dump_config(_config("decoder_only_packed")), encoding="utf-8")
     port = _free_port()
-    env = process_env(2)
+    env = children.environment(2)
     processes = [subprocess.Popen(
         [sys.executable, "-m", "tests.training_run", str(config), "data=2,seq=2",
          f"127.0.0.1:{port}", "2", str(i)],

@@ -31,6 +31,7 @@ from attnjax.toy import train as training
 from attnjax.toy.checkpoints import DAMAGED, MANIFEST, Checkpoints, damage
 from attnjax.toy.config import dump_config, load_config
 from attnjax.toy.report import TIMING_KEYS
+from tests import children
 
 ROOT = Path(__file__).resolve().parents[1]
 # 20 steps, every one logged (a kill can land on any), checkpoints every 5.
@@ -234,9 +235,9 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     driver = tmp / "driver.py"
     driver.write_text(DRIVER)
-    env = {"PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-           "JAX_COMPILATION_CACHE_DIR": str(tmp / "compilation_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    # one device, and a compilation cache of their own, filled by the reference run
+    env = children.environment(1, PYTHONUNBUFFERED="1",
+                                   JAX_COMPILATION_CACHE_DIR=str(tmp / "compilation_cache"))
     # the line of the step right after a checkpoint: the save just before must be durable
     kill_at = random.choice(range(EVERY + 1, STEPS, EVERY))
     done = {"kill_at": kill_at}

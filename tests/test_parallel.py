@@ -17,7 +17,7 @@ from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import cli, make_task
 from attnjax.toy import train as training
 from attnjax.toy.config import load_config
-from tests import training_run
+from tests import children, training_run
 from tests.numerics import as_users_run
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
@@ -112,22 +112,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_env(devices: int) -> dict:
-    """The suite's environment for processes of `devices` CPU devices each: its other XLA
-    flags kept, and every program they compile put in the suite's compilation cache,
-    however quickly it compiles, for the other processes and later runs to load."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append(f"--xla_force_host_platform_device_count={devices}")
-    return dict(os.environ, XLA_FLAGS=" ".join(flags),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-
-
 def test_two_processes_match_one_process(tmp_path, one_device):
     port = _free_port()
     overrides = [arg for o in PARALLEL + ["steps=30", "eval_every=30", "checkpoint_every=10"]
                  for arg in ("--set", o)]
-    env = process_env(1)
+    env = children.environment(1)
     processes = [subprocess.Popen(
         [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path),
          "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),

@@ -237,7 +237,7 @@ def runs(tmp_path_factory):
     driver.write_text(DRIVER)
     # one device, and a compilation cache of their own, filled by the reference run
     env = children.environment(1, PYTHONUNBUFFERED="1",
-                                   JAX_COMPILATION_CACHE_DIR=str(tmp / "compilation_cache"))
+                               JAX_COMPILATION_CACHE_DIR=str(tmp / "compilation_cache"))
     # the line of the step right after a checkpoint: the save just before must be durable
     kill_at = random.choice(range(EVERY + 1, STEPS, EVERY))
     done = {"kill_at": kill_at}

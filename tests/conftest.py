@@ -27,12 +27,14 @@ os.environ["XLA_FLAGS"] = " ".join(
      "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]).strip()
 # One compilation cache for the whole run, made by the first process (xdist's controller)
 # and inherited by its workers and every command-line run they start: the same train
-# step compiles once, not once per subprocess. Deleted at the end of the run, so every
-# run starts cold, as a fresh clone does.
+# step compiles once, not once per subprocess. Every program goes in, however small:
+# loading one costs less than compiling it again in the other worker or after a module
+# has dropped its programs. Deleted at the end of the run, so every run starts cold, as
+# a fresh clone does.
 if "ATTNJAX_TEST_CACHE" not in os.environ:
     os.environ["ATTNJAX_TEST_CACHE"] = tempfile.mkdtemp(prefix="attnjax-test-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["ATTNJAX_TEST_CACHE"]
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     _CACHE_OWNER = True
 else:
     _CACHE_OWNER = False

@@ -27,10 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from flax import nnx
 from jax.experimental import multihost_utils
 
-from attnjax import nnx as attnjax_nnx
 from attnjax.nn import (
     DecoderOnly,
     DecoderOnlyConfig,
@@ -39,7 +37,6 @@ from attnjax.nn import (
     generate,
     greedy_decode,
 )
-from attnjax.nnx import models as nnx_models
 from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import sequence_parallel
 from attnjax.toy.sequences import DecoderOnlyFormat, Sequences
@@ -171,15 +168,24 @@ class NnxForward:
     `model` on the same parameter tree (`attnjax.nnx.from_linen_params`)."""
 
     def __init__(self, model: Transformer | DecoderOnly):
+        # flax.nnx is imported by the runs that use it only: a third of the command's
+        # start-up otherwise
+        from flax import nnx
+
+        from attnjax.nnx import models as nnx_models
+
         abstract = nnx.eval_shape(lambda: nnx_models.counterpart(model, rngs=nnx.Rngs(0)))
         self.graphdef, self.state = nnx.split(abstract)
 
     def apply(self, variables, *args, rngs=None, **kwargs):
         # a fresh copy of the abstract state, so that loading the parameters fills
         # variables made in this trace
+        from flax import nnx
+
+        from attnjax.nnx import from_linen_params
+
         state = jax.tree.map(lambda x: x, self.state)
-        model = attnjax_nnx.from_linen_params(nnx.merge(self.graphdef, state),
-                                              variables["params"])
+        model = from_linen_params(nnx.merge(self.graphdef, state), variables["params"])
         return model(*args, rngs=None if rngs is None else nnx.Rngs(**rngs), **kwargs)
 
 

@@ -57,6 +57,19 @@ with install_import_hook("attnjax", "beartype.beartype"):
 import pytest  # noqa: E402
 
 
+# The longest modules first: xdist's workers take modules in the order they are
+# collected, and a long one taken last runs alone while the other worker idles.
+_LONGEST_FIRST = ("test_toy_train.py", "test_faults.py", "test_docs.py", "test_parallel.py",
+                  "test_packing.py", "test_masks.py", "test_chunked.py",
+                  "test_dot_product_attention.py", "test_context_parallel.py", "test_nn.py",
+                  "test_cli_installed.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_unconfigure(config):
     if _CACHE_OWNER:
         shutil.rmtree(os.environ["ATTNJAX_TEST_CACHE"], ignore_errors=True)

@@ -13,26 +13,13 @@ import pytest
 
 import attnjax
 from attnjax import masks, nn, scores
+from tests.trees import perturbed as _perturbed
 
 B, D, N, K = 2, 12, 4, 2
 
 
 def _x(rng, *shape):
     return jax.random.normal(rng, shape, jnp.float32)
-
-
-# Flax's init/apply, the engine and jax.grad run under jax.jit in these tests: eagerly,
-# XLA compiles every primitive as a program of its own (hundreds per test); jitted, one.
-@functools.partial(jax.jit, static_argnums=2)
-def _noise(x, key, scale):
-    """x + scale · N(0, 1), one program per shape: shared by every tree of that shape."""
-    return x + scale * jax.random.normal(key, x.shape, x.dtype)
-
-
-def _perturbed(params, rng, scale=0.1):
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(rng, len(leaves))
-    return jax.tree.unflatten(tree, [_noise(x, k, scale) for x, k in zip(leaves, keys)])
 
 
 @pytest.mark.parametrize("implementation", ["dense", "chunked"])

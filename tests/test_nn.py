@@ -12,6 +12,7 @@ import pytest
 import attnjax
 from attnjax import nn
 from attnjax.nn import decoding
+from tests.trees import perturbed as _perturbed
 
 B, T, S, D, DK, N = 2, 5, 7, 12, 10, 4
 
@@ -22,19 +23,6 @@ def _x(rng, *shape, dtype=jnp.float32):
 
 # Flax's init/apply and jax.grad run under jax.jit in these tests: eagerly, XLA compiles
 # every primitive as a program of its own (hundreds per test); jitted, one program.
-@functools.partial(jax.jit, static_argnums=2)
-def _noise(x, key, scale):
-    """x + scale · N(0, 1), one program per shape: shared by every tree of that shape."""
-    return x + scale * jax.random.normal(key, x.shape, x.dtype)
-
-
-def _perturbed(params, rng, scale=0.1):
-    """Non-zero biases and non-default kernels, so nothing passes by being zero."""
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(rng, len(leaves))
-    return jax.tree.unflatten(tree, [_noise(x, k, scale) for x, k in zip(leaves, keys)])
-
-
 @functools.partial(jax.jit, static_argnums=0)
 def _init(module, rngs, *args):
     """module.init(rngs, *args), jitted: one program per (module, shapes), shared by the

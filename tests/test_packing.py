@@ -3,7 +3,6 @@ the logits, loss and gradients it gets alone; left-padded prompts generate what 
 generate alone; packed batches are a function of (seed, step); the command line trains
 decoder-only models, packed or not, and resumes them exactly."""
 
-import functools
 import json
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from attnjax.toy.config import load_config
 from attnjax.toy.report import TIMING_KEYS
 from attnjax.toy.sequences import DecoderOnlyFormat, Sequences
 from attnjax.toy.tasks import BOS, EOS, PAD
+from tests import trees
 
 ROOT = Path(__file__).resolve().parents[1]
 # Examples of distinct lengths, packed into rows of 19 (room for 2 of pad after them).
@@ -31,18 +31,8 @@ LENGTHS = ((5, 9, 3), (7, 4, 6))
 ROW = 19
 
 
-# Flax's init/apply run under jax.jit in these tests: eagerly, XLA compiles every
-# primitive as a program of its own (hundreds per test); jitted, one program.
-@functools.partial(jax.jit, static_argnums=2)
-def _noise(x, key, scale):
-    """x + scale · N(0, 1), one program per shape: shared by every tree of that shape."""
-    return x + scale * jax.random.normal(key, x.shape, x.dtype)
-
-
 def _perturbed(params, rng, scale=0.3):
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(rng, len(leaves))
-    return jax.tree.unflatten(tree, [_noise(x, k, scale) for x, k in zip(leaves, keys)])
+    return trees.perturbed(params, rng, scale)
 
 
 def _packed_rows(rng, vocab: int):

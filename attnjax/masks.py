@@ -435,8 +435,10 @@ class FromArray(Rule):
                          at.k_idx[0, 0], at.k_idx.shape[1])
 
     def classify(self, blocks):
-        # Reduce the array block by block: exact, and cheap next to attention itself.
-        x = self.array
+        # Reduce the array block by block: exact, and cheap next to attention itself. The
+        # barrier keeps XLA from folding the reductions of a constant mask (one closed
+        # over, as flax users build theirs) at compile time: seconds for a 4096² mask.
+        x = lax.optimization_barrier(self.array)
         t, s = x.shape
         nq, nk = blocks.shape()
         rows = blocks.block_q if t > 1 else 1

@@ -5,12 +5,10 @@ import os
 
 def environment(devices: int | None, **extra: str) -> dict[str, str]:
     """os.environ for a child process, with `devices` emulated CPU devices (None: one, as
-    on a user's machine) and the suite's other XLA flags (its quick compilation). Every
-    program the child compiles goes into the suite's compilation cache however quickly it
-    compiles, for other processes and later runs to load. `extra` overrides variables."""
+    on a user's machine) and the suite's other XLA flags (its quick compilation); it
+    shares the suite's compilation cache (conftest.py). `extra` overrides variables."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
-    return dict(os.environ, XLA_FLAGS=" ".join(flags),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **extra)
+    return dict(os.environ, XLA_FLAGS=" ".join(flags), **extra)

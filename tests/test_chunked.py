@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 import attnjax
 from attnjax import chunked, heads, masks
 from tests import reference
-from tests.numerics import QUICK_COMPILE as _QUICK_COMPILE
 
 # (B, T, S, N, K, H, V, block sizes): no length a multiple of its block in most rows.
 SHAPES = [
@@ -44,8 +43,7 @@ def _inputs(seed, b, t, s, n, k, h, v, dtype=jnp.float32):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("flags", "block_sizes"),
-                   compiler_options=_QUICK_COMPILE)
+@functools.partial(jax.jit, static_argnames=("flags", "block_sizes"))
 def _dense_and_chunked(q, k, v, d_out, bias, arrays, *, flags, block_sizes):
     """[(out, grads) of dense, (out, grads) of chunked]: the gradients of
     Σ out·d_out w.r.t. q, k, v and bias, both kernels in one program. The options are
@@ -65,8 +63,7 @@ def _dense_and_chunked(q, k, v, d_out, bias, arrays, *, flags, block_sizes):
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "window", "return_weights",
-                                             "implementation", "block_sizes"),
-                   compiler_options=_QUICK_COMPILE)
+                                             "implementation", "block_sizes"))
 def _attention(*args, **kwargs):
     """attnjax.dot_product_attention compiled (one program, not one per primitive), with
     its flags static."""
@@ -263,11 +260,9 @@ def test_heads_in_groups_equal_all_heads_at_once(monkeypatch, n, k):
             dropout_rate=0.25, dropout_rng=jax.random.key(8), return_residual=True)
         return jnp.sum(out * d_out) + jnp.sum(jnp.tanh(lse)), (out, lse)
 
-    grad = jax.jit(jax.grad(run, argnums=range(6), has_aux=True),
-                   compiler_options=_QUICK_COMPILE)
+    grad = jax.jit(jax.grad(run, argnums=range(6), has_aux=True))
     together = grad(q, key, v, bias, sinks, slopes)
     monkeypatch.setattr(chunked, "LOGITS_BLOCK_BYTES", 2 * 4 * 8 * 4)  # one head a pass
-    split = jax.jit(jax.grad(run, argnums=range(6), has_aux=True),
-                    compiler_options=_QUICK_COMPILE)(q, key, v, bias, sinks, slopes)
+    split = jax.jit(jax.grad(run, argnums=range(6), has_aux=True))(q, key, v, bias, sinks, slopes)
     for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(together)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 import attnjax
 from tests import reference
-from tests.numerics import QUICK_COMPILE as _QUICK_COMPILE
 
 B, T, S, N, K, H, V = 2, 5, 7, 6, 3, 4, 11
 
@@ -42,15 +41,14 @@ def _jax_nn(query, key, value, **kw):
     return jnp.concatenate(pieces, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("is_causal", "window", "return_weights"),
-                   compiler_options=_QUICK_COMPILE)
+@functools.partial(jax.jit, static_argnames=("is_causal", "window", "return_weights"))
 def _attention(*args, **kwargs):
     """attnjax.dot_product_attention compiled (one program, not one per primitive), with
     its flags static."""
     return attnjax.dot_product_attention(*args, **kwargs)
 
 
-@functools.partial(jax.jit, static_argnames=("is_causal",), compiler_options=_QUICK_COMPILE)
+@functools.partial(jax.jit, static_argnames=("is_causal",))
 def _ours_and_jax_nn(q, k, v, bias, mask, q_len, k_len, *, is_causal):
     """attnjax and jax.nn on the same inputs, compiled together: one program per shape
     and option structure (None arrays are empty pytrees), reused across examples,

@@ -17,7 +17,6 @@ import attnjax
 from attnjax import masks, scores
 from attnjax.core import MASKED
 from tests import masks_reference as ref
-from tests.numerics import QUICK_COMPILE as _QUICK_COMPILE
 
 # Query and key lengths; 1000 is drawn rarely, and only with one example.
 SIZES = (1, 2, 7, 129, 1000)
@@ -250,7 +249,7 @@ def _reference_mod(spec, params):
 
 def _reference_grid(tree, b, n, t, s, q_pos, k_pos):
     """ref.visible, compiled: one program instead of dozens of small ones."""
-    return np.asarray(_quickly_compiled(lambda: ref.visible(tree, b, n, t, s, q_pos, k_pos)))
+    return np.asarray(_compiled(lambda: ref.visible(tree, b, n, t, s, q_pos, k_pos)))
 
 
 def _normal(rs, shape, dtype=jnp.float64):
@@ -297,12 +296,9 @@ def _problem(case):
     return mask, positions, (q_pos, k_pos), tree, inputs, cotangents
 
 
-def _quickly_compiled(fn, *args):
-    """fn(*args), compiled with fewer LLVM optimisations: on CPU, compiling a fresh
-    program costs far more than running it on these sizes. The same HLO runs, so the
-    numbers are those of the default compilation up to rounding."""
-    return jax.jit(fn).lower(*args).compile(compiler_options=_QUICK_COMPILE)(*args)
-
+def _compiled(fn, *args):
+    """fn(*args) as one compiled program (fn a fresh closure: compiled once, here)."""
+    return jax.jit(fn)(*args)
 
 
 def _values_and_grads(run, inputs, cotangents):
@@ -318,9 +314,9 @@ def _values_and_grads(run, inputs, cotangents):
     return values, grads
 
 
-def _compare(case, tol=1e-9, *, quick=False):
+def _compare(case, tol=1e-9):
     """Dense and chunked (float64) equal the reference: output, log-sum-exp and every
-    gradient. quick: compile the kernels as the reference is (`_quickly_compiled`)."""
+    gradient."""
     mask, positions, (q_pos, k_pos), tree, inputs, cotangents = _problem(case)
     b, t, s, n, _ = case["shape"]
     spec = case["mod"]
@@ -348,15 +344,8 @@ def _compare(case, tol=1e-9, *, quick=False):
         return see, _values_and_grads(reference(see), inputs, cotangents), engines(
             inputs, mask, positions)
 
-    if quick:  # the reference grid, the reference and both kernels: one program
-        see, (expected, expected_grads), engines = _quickly_compiled(
-            everything, inputs, mask, positions)
-    else:
-        see = _reference_grid(tree, b, n, t, s, q_pos, k_pos)
-        expected, expected_grads = _quickly_compiled(
-            lambda inputs, see: _values_and_grads(reference(see), inputs, cotangents), inputs,
-            see)
-        engines = jax.jit(engines)(inputs, mask, positions)
+    # the reference grid, the reference and both kernels: one program
+    see, (expected, expected_grads), engines = _compiled(everything, inputs, mask, positions)
     for name, (values, grads) in zip(("dense", "chunked"), engines):
         _assert_close(f"{name} output", values[0], expected[0], tol)
         _assert_lse_close(f"{name} log-sum-exp", values[1], expected[1], tol)
@@ -372,7 +361,7 @@ def _compare(case, tol=1e-9, *, quick=False):
 @given(cases())
 def test_dense_and_chunked_equal_the_reference_on_random_compositions(case):
     note(f"case: {case}")
-    _compare(case, quick=True)
+    _compare(case)
 
 
 @pytest.mark.parametrize("t, s, tree", [
@@ -385,7 +374,7 @@ def test_a_single_query_or_key_on_chunked_equals_dense_and_the_reference(t, s, t
     mod and sinks."""
     case = dict(shape=(2, t, s, 4, 2), tree=tree, positions="offset",
                 mod=("chain", ("alibi",), ("soft_cap", 2.0)), sinks=True, blocks=None, seed=t + s)
-    _compare(case, quick=True)
+    _compare(case)
 
 
 def test_the_reference_rules_by_hand():
@@ -432,8 +421,7 @@ def test_float32_dense_equals_chunked():
                 sinks=sinks, implementation=implementation,
                 block_sizes=(24, 40) if implementation == "chunked" else None)
             return jnp.sum(out * x[4]), out
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True),
-                       compiler_options=_QUICK_COMPILE)(*x[:4], slopes)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*x[:4], slopes)
 
     (grads, out), (dense_grads, dense_out) = run("chunked"), run("dense")
     chex.assert_type([out, *grads], jnp.float32)
@@ -477,8 +465,7 @@ def test_rows_that_see_nothing_give_zeros_and_zero_finite_gradients(implementati
                                             implementation=implementation)
         return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
 
-    grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True),
-                         compiler_options=_QUICK_COMPILE)(
+    grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
         q.astype(dtype), *poisoned, None if sinks is None else sinks.astype(dtype))
     chex.assert_type(out, dtype)
     chex.assert_tree_all_finite((out, grads))
@@ -487,7 +474,7 @@ def test_rows_that_see_nothing_give_zeros_and_zero_finite_gradients(implementati
     assert not out[dead].any() and not d_q[dead].any()
     assert not d_k[np.broadcast_to(padding, d_k.shape)].any()
     assert not d_v[np.broadcast_to(padding, d_v.shape)].any()
-    expected, _ = _quickly_compiled(functools.partial(ref.attention, sinks=sinks), q, key, value,
+    expected, _ = _compiled(functools.partial(ref.attention, sinks=sinks), q, key, value,
                                     see)
     _assert_close("output", out, expected, 2e-6 if dtype == jnp.float32 else 3e-2)
 
@@ -496,7 +483,7 @@ def test_rows_that_see_nothing_give_zeros_and_zero_finite_gradients(implementati
 # The rules themselves: the elementwise answer and the block classes.
 
 
-@functools.partial(jax.jit, static_argnames=("t", "s", "blocks"), compiler_options=_QUICK_COMPILE)
+@functools.partial(jax.jit, static_argnames=("t", "s", "blocks"))
 def _visible_and_classes(bound, *, t, s, blocks):
     """Mask.visible `[B, N, T, S]` and the block classes `[B, N, nq, nk]` of every
     (example, head) of each bound mask, padded to whole blocks as the chunked kernel pads
@@ -784,15 +771,15 @@ def test_vmap_and_jit_over_an_extra_axis_with_traced_segment_ids(implementation)
 
     args = (q, key, value, ids, prefix, k_len)
     grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
-    grads, out = jax.jit(jax.vmap(grad), compiler_options=_QUICK_COMPILE)(*args)
+    grads, out = jax.jit(jax.vmap(grad))(*args)
     chex.assert_shape(out, (e, b, t, n, V))
-    alone = jax.jit(grad, compiler_options=_QUICK_COMPILE)
+    alone = jax.jit(grad)
     for i in range(e):
         args_i = [x[i] for x in args]
         tree = ("and", ("and", ("or", ("causal",), ("prefix", np.asarray(prefix[i]))),
                         ("segments", np.asarray(ids[i]), np.asarray(ids[i]))),
                 ("lengths", None, np.asarray(k_len[i])))
-        expected, _ = _quickly_compiled(ref.attention, *args_i[:3], ref.visible(tree, b, n, t, t))
+        expected, _ = _compiled(ref.attention, *args_i[:3], ref.visible(tree, b, n, t, t))
         grads_i, out_i = alone(*args_i)
         _assert_close(f"slice {i}", out[i], expected, 1e-12)
         _assert_close(f"slice {i} alone", out_i, expected, 1e-12)

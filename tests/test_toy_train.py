@@ -121,7 +121,7 @@ def test_killed_and_interrupted_runs_resume_to_the_uninterrupted_metrics(tmp_pat
     interrupted with SIGINT mid-run; the last two are then rerun. The other three start
     once whole has compiled its programs, and they and the reruns load them from the
     suite's compilation cache (every program cached, however quickly it compiles)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     names = ("whole", "again", "killed", "interrupted")
 
     def start(name):

@@ -12,6 +12,12 @@ XLA move every key and value to head-major order first, a copy of the whole key/
 cache at every decoding step. Keys and values stay in their `[B, S, K, ·]` layout and
 only the block in hand is rearranged.
 
+What a score_mod declares about itself (`attnjax.scores`) changes only the arithmetic,
+never the result: a bounded one (soft_cap) shifts every row by its upper bound instead of
+a running maximum, and its division-free near-zero form serves the blocks whose logits
+Cauchy–Schwarz bounds within the cap (`_near_table`), each kind of block in a loop of its
+own, so no block evaluates both forms.
+
 The custom VJP saves only the output and the log-sum-exp per query and recomputes each
 visited block's weights in the backward pass (FlashAttention-2), which takes the key
 blocks in turn and visits only the query blocks that can see each. Nothing T×S is
@@ -21,6 +27,8 @@ arrays it closes over (`jax.closure_convert`), the sinks and the bias.
 """
 
 import dataclasses
+import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +51,11 @@ DEFAULT_BLOCK_K = 512
 # 2 MiB of L2 per core, 512 × 512 blocks ran at ~75% of the GEMM rate with four heads
 # at once and ~57% with eight (benchmarks/attention.py).
 LOGITS_BLOCK_BYTES = 4 * 2**20
+# A score_mod whose values lie in [lo, hi] (`score_mod.bounds`, e.g. soft_cap(cap): ±cap)
+# with hi − lo at most this has every row shifted by hi instead of by its running
+# maximum: exp(s − hi) then lies in [e^−64, 1], far from float32's overflow and its
+# denormals, and the forward pass takes no row maxima and rescales nothing.
+BOUNDED_RANGE = 64.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +73,23 @@ def block_sizes(t: int, s: int, block_q: int | None, block_k: int | None) -> tup
     return fit(block_q, DEFAULT_BLOCK_Q, t), fit(block_k, DEFAULT_BLOCK_K, s)
 
 
-def _visits(table):
-    """For each row of a `[rows, cols]` block table, the FULL and the PARTIAL columns:
-    two pairs (`[rows, cols]` column lists, in order and then padding; `[rows]` counts)."""
+def _kinds(near_split: bool) -> tuple[tuple[bool, bool], ...]:
+    """The kinds of visit, `(masked, near)`, in the order the block loops take them:
+    FULL blocks before PARTIAL ones, and with near_split, near-zero blocks (see
+    `_near_table`) before the others."""
+    nears = (True, False) if near_split else (False,)
+    return tuple((masked, near) for masked in (False, True) for near in nears)
+
+
+def _visits(table, near=None):
+    """For each row of a `[rows, cols]` block table (and of its `[rows, cols]` near-zero
+    table, if any), the columns of each kind of visit (`_kinds`): a pair per kind
+    (`[rows, cols]` column lists, in order and then padding; `[rows]` counts)."""
     lists = []
-    for kind in (FULL, PARTIAL):
-        hit = table == kind
+    for masked, close in _kinds(near is not None):
+        hit = table == (PARTIAL if masked else FULL)
+        if near is not None:
+            hit = hit & (near == close)
         order = jnp.argsort(~hit, axis=1, stable=True).astype(jnp.int32)
         lists.append((order, jnp.sum(hit, axis=1, dtype=jnp.int32)))
     return tuple(lists)
@@ -125,17 +149,15 @@ class _Blocks:
             visible = visible & (at.k_idx < self.plan.s)
         return visible
 
-    def logits(self, q_i, k_j, v_j, i, j, masked: bool, consts):
-        """The block's (modified) logits `[bq, bk]`, MASKED where not visible, and the
-        q, k, v blocks with every row and column that sees nothing zeroed: a NaN or inf
-        in padding is selected away, never multiplied by a zero weight."""
+    def unseen_hidden(self, q_i, k_j, v_j, i, j, masked: bool):
+        """(coordinates, `[bq, bk]` visibility or None where the block is unmasked, and
+        the q, k, v blocks with every row and column that sees nothing zeroed: a NaN or
+        inf in padding is selected away, never multiplied by a zero weight)."""
         at = self.coords(i, j)
         if not masked:
-            return self.modify(self.raw(q_i, k_j, i, j), at, consts), q_i, k_j, v_j
+            return at, None, q_i, k_j, v_j
         visible = self.visible(at)
-        q_i, k_j, v_j = _hide_unseen(visible, q_i, k_j, v_j)
-        s = self.modify(self.raw(q_i, k_j, i, j), at, consts)
-        return jnp.where(visible, s, MASKED), q_i, k_j, v_j
+        return (at, visible) + _hide_unseen(visible, q_i, k_j, v_j)
 
     def keep_scale(self, i, j):
         """Inverted-dropout multipliers of block (i, j): 0 or 1/(1 − rate), float32."""
@@ -152,14 +174,14 @@ def _hide_unseen(visible, q_i, k_j, v_j):
             jnp.where(cols[:, None], v_j, 0))
 
 
-def _visit(full, partial, step, init):
-    """`step(index, carry, masked)` over the listed FULL blocks (no mask), then the
-    PARTIAL ones. full / partial: (block list, count) of one row or column."""
-    (full_list, full_count), (partial_list, partial_count) = full, partial
-    carry = lax.fori_loop(
-        0, full_count, lambda t, c: step(full_list[t], c, masked=False), init)
-    return lax.fori_loop(
-        0, partial_count, lambda t, c: step(partial_list[t], c, masked=True), carry)
+def _visit(visits, step, init):
+    """`step(index, carry, masked, near)` over the listed blocks of each kind (`_kinds`).
+    visits: `_visits`' pairs of one row or column."""
+    carry = init
+    for (masked, near), (listed, count) in zip(_kinds(len(visits) > 2), visits):
+        carry = lax.fori_loop(
+            0, count, lambda t, c, m=masked, n=near, b=listed: step(b[t], c, m, n), carry)
+    return carry
 
 
 # The layouts of the one-head block functions' arguments (see attnjax.heads).
@@ -167,37 +189,104 @@ _FORWARD_IN = ("heads",) * 7
 _BACKWARD_IN = ("heads",) * 11
 
 
-def _forward_step(plan, mod, monotone, consts, i, j, masked: bool):
-    """Block (i, j) folded into one head's running (max, sum, accumulator)."""
+@dataclasses.dataclass(frozen=True)
+class _Facts:
+    """What a score_mod declares about itself (attnjax.scores), as the kernel uses it.
+
+    monotone: f, with score_mod = f(score) non-decreasing; an unmasked block's row
+      maximum is taken before the modification.
+    ceiling: hi of its bounds (lo, hi) when hi − lo ≤ BOUNDED_RANGE; every row is shifted
+      by hi (or its sink, if larger) instead of by a running maximum.
+    near_zero: (limit, g); blocks whose logits all lie within ±limit use g instead.
+    """
+
+    monotone: Callable | None = None
+    ceiling: float | None = None
+    near_zero: tuple[float, Callable] | None = None
+
+
+def _facts(score_mod, consts, bias, logits_dtype) -> _Facts:
+    if score_mod is None:
+        return _Facts()
+    lo, hi = getattr(score_mod, "bounds", (-math.inf, math.inf))
+    near_zero = getattr(score_mod, "near_zero", None)
+    # g is a float32 function of the score alone (nothing closed over to differentiate);
+    # the near-zero blocks are found from q and k alone (no bias).
+    if consts or bias is not None or jnp.dtype(logits_dtype) != jnp.float32:
+        near_zero = None
+    return _Facts(getattr(score_mod, "monotone", None),
+                  float(hi) if hi - lo <= BOUNDED_RANGE else None, near_zero)
+
+
+def _near_table(plan: _Plan, q, k, limit: float) -> Array:
+    """`[nq, nk]` bool: the blocks whose logits of every head lie within ±limit, by
+    Cauchy–Schwarz, |q·k| ≤ |q|·|k| (q pre-scaled, `[B, K, G, Tp, H]`; k `[B, Sp, K, H]`
+    or head-major `[B, K, 1, Sp, H]`), with a margin for rounding. NaN and inf are never
+    near."""
+    def block_max(norms, block, axis):
+        # [..., L, ...] -> [..., L / block, ...]
+        shape = norms.shape[:axis] + (-1, block) + norms.shape[axis + 1:]
+        return norms.reshape(shape).max(axis=axis + 1)
+
+    norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1))  # noqa: E731
+    # [B, K, G, nq], [B, K, nk]
+    q_max = block_max(norm(q), plan.block_q, 3)
+    k_max = block_max(norm(k[:, :, 0]) if k.ndim == 5 else jnp.moveaxis(norm(k), 1, 2),
+                      plan.block_k, 2)
+    bound = jnp.max(q_max[..., :, None] * k_max[:, :, None, None, :], axis=(0, 1, 2))
+    return bound <= limit * (1 - 1e-5)
+
+
+def _visits_of(plan: _Plan, facts: _Facts, table, q, k):
+    """The row and the column visits (`_visits`) of one call: the block table's, split
+    by `_near_table` where the score_mod has a near-zero form."""
+    near = None
+    if facts.near_zero is not None:
+        near = _near_table(plan, q, k, facts.near_zero[0])
+    return (_visits(table, near), _visits(table.T, None if near is None else near.T))
+
+
+def _masked(s, visible):
+    return s if visible is None else jnp.where(visible, s, MASKED)
+
+
+def _forward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: bool):
+    """Block (i, j) folded into one head's running (max, sum, accumulator); with a
+    ceiling the max is that fixed shift and never changes. near: the block's logits lie
+    within facts.near_zero's limit."""
 
     def step(q_i, k_j, v_j, carry, mask, bias, dropout_key):
         blocks = _Blocks(plan, mask, bias, mod, dropout_key)
+        at, visible, q_i, k_j, v_j = blocks.unseen_hidden(q_i, k_j, v_j, i, j, masked)
+        # [bq, bk]
+        raw = blocks.raw(q_i, k_j, i, j)
         row_max, row_sum, acc = carry
-        if monotone is not None and not masked:
+        s = facts.near_zero[1](raw) if near else blocks.modify(raw, at, consts)
+        s = _masked(s, visible)
+        if facts.ceiling is not None:
+            new_max = row_max
+        elif facts.monotone is not None and not masked:
             # A score_mod that is a non-decreasing function of the score alone has its
             # row maximum at the raw maximum: no pass over the modified logits for it.
-            raw = blocks.raw(q_i, k_j, i, j)
-            block_max = monotone(jnp.max(raw, axis=-1))
-            s = blocks.modify(raw, blocks.coords(i, j), consts)
+            new_max = jnp.maximum(row_max, facts.monotone(jnp.max(raw, axis=-1)))
         else:
-            # [bq, bk]
-            s, q_i, k_j, v_j = blocks.logits(q_i, k_j, v_j, i, j, masked, consts)
-            block_max = jnp.max(s, axis=-1)
-        new_max = jnp.maximum(row_max, block_max)
+            new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))
         p = jnp.exp(s - new_max[:, None])
-        correction = jnp.exp(row_max - new_max)
-        row_sum = row_sum * correction + jnp.sum(p, axis=-1)
+        if facts.ceiling is None:
+            correction = jnp.exp(row_max - new_max)
+            row_sum, acc = row_sum * correction, acc * correction[:, None]
+        row_sum = row_sum + jnp.sum(p, axis=-1)
         if plan.dropout_rate > 0.0:
             p = p * blocks.keep_scale(i, j)
         # [bq, V]
         pv = jnp.einsum("TS,SV->TV", p.astype(v_j.dtype), v_j, preferred_element_type=acc.dtype)
-        return ((new_max, row_sum, acc * correction[:, None] + pv),)
+        return ((new_max, row_sum, acc + pv),)
 
     return step
 
 
 def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
-             monotone=None):
+             facts: _Facts = _Facts()):
     """Output `[B, K, G, Tp, V]` and log-sum-exp `[B, K, G, Tp]` (MASKED for rows that
     see nothing). q `[B, K, G, Tp, H]` (heads first, pre-scaled), k and v `[B, Sp, K, ·]`
     (or already head-major, `[B, K, 1, Sp, ·]`)."""
@@ -218,28 +307,32 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
             x, j * plan.block_k, plan.block_k, axis=1))
 
     def query_block(xs):
-        i, full, partial = xs
+        i, *visits = xs
         # [B, K, G, bq, H]
         q_i = lax.dynamic_slice_in_dim(q, i * plan.block_q, plan.block_q, axis=3)
 
-        def step(j, carry, masked):
+        def step(j, carry, masked, near):
             # [B, K, 1, bk, H], [B, K, 1, bk, V]
             k_j, v_j = key_block(k, j), key_block(v, j)
-            fold = heads.over_heads(_forward_step(plan, mod, monotone, consts, i, j, masked), sizes,
-                                    _FORWARD_IN, ("heads",))
+            fold = heads.over_heads(
+                _forward_step(plan, mod, facts, consts, i, j, masked, near), sizes,
+                _FORWARD_IN, ("heads",))
             return fold(q_i, k_j, v_j, carry, mask, bias, dropout_key)[0]
 
-        # A sink starts every row at exp(sink − sink) = 1; without one, the running max
-        # starts at FLOOR, so masked logits (MASKED) contribute exactly 0.
+        # A sink starts every row's sum at exp(sink − max); without one, the max starts
+        # at FLOOR (or the ceiling), so masked logits (MASKED) contribute exactly 0.
         rows_shape = sizes + (plan.block_q,)
         start = FLOOR if sinks is None else sinks.astype(acc_dtype)[..., None]
+        row_max = start if facts.ceiling is None else jnp.maximum(start, facts.ceiling)
+        row_max = jnp.broadcast_to(jnp.asarray(row_max, acc_dtype), rows_shape)
         init = (
-            jnp.broadcast_to(jnp.asarray(start, acc_dtype), rows_shape),
-            jnp.full(rows_shape, 0.0 if sinks is None else 1.0, acc_dtype),
+            row_max,
+            (jnp.zeros(rows_shape, acc_dtype) if sinks is None
+             else jnp.exp(jnp.broadcast_to(start, rows_shape) - row_max)),
             jnp.zeros(rows_shape + (v.shape[-1],), acc_dtype),
         )
         # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, V]
-        row_max, row_sum, acc = _visit(full, partial, step, init)
+        row_max, row_sum, acc = _visit(visits, step, init)
         seen = row_sum > 0
         safe_sum = jnp.where(seen, row_sum, 1.0)
         out = acc / safe_sum[..., None]
@@ -253,7 +346,8 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
     return out, jnp.moveaxis(lse, 0, 3).reshape(sizes + (plan.padded_t,))
 
 
-def _backward_step(plan, mod, consts, i, j, masked: bool, with_ds: bool):
+def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: bool,
+                   with_ds: bool):
     """One head's gradient contributions of block (i, j): to its queries, the key and
     value block, the block's logits (for the bias) and score_mod's closed-over arrays."""
 
@@ -264,18 +358,18 @@ def _backward_step(plan, mod, consts, i, j, masked: bool, with_ds: bool):
         # leading axis of ds and p.
         blocks = _Blocks(plan, mask, bias, mod, dropout_key)
         acc_dtype = lse_i.dtype
-        at = blocks.coords(i, j)
+        at, visible, q_i, k_j, v_j = blocks.unseen_hidden(q_i, k_j, v_j, i, j, masked)
         if masked:
-            visible = blocks.visible(at)
-            q_i, k_j, v_j = _hide_unseen(visible, q_i, k_j, v_j)
             q_t = jnp.where(jnp.any(visible, axis=1)[None, :], q_t, 0)
         raw = blocks.raw(q_i, k_j, i, j)
-        if mod is None:
-            s = raw
+        if near:
+            s, back = jax.vjp(facts.near_zero[1], raw)
+            modify_vjp = lambda ds: (back(ds)[0], [])  # noqa: E731
+        elif mod is None:
+            s, modify_vjp = raw, lambda ds: (ds, None)  # noqa: E731
         else:
-            s, mod_vjp = jax.vjp(lambda r, c: blocks.modify(r, at, c), raw, consts)
-        if masked:
-            s = jnp.where(visible, s, MASKED)
+            s, modify_vjp = jax.vjp(lambda r, c: blocks.modify(r, at, c), raw, consts)
+        s = _masked(s, visible)
         # [bq, bk]: the forward weights, exactly, from the saved log-sum-exp.
         p = jnp.exp(s - lse_i[:, None])
         dp = jnp.einsum("TV,SV->TS", do_i, v_j, preferred_element_type=acc_dtype)
@@ -287,10 +381,7 @@ def _backward_step(plan, mod, consts, i, j, masked: bool, with_ds: bool):
         d_v = jnp.einsum("VT,TS->VS", do_t, p_used.astype(v_j.dtype),
                          preferred_element_type=acc_dtype)
         # [bq, bk]: the gradient of the (modified) logits; zero where masked, as p is.
-        ds = p * (dp - delta_i[:, None])
-        d_consts = None
-        if mod is not None:
-            ds, d_consts = mod_vjp(ds)
+        ds, d_consts = modify_vjp(p * (dp - delta_i[:, None]))
         ds_in = ds.astype(q_i.dtype)
         # [H, bk]
         d_k = jnp.einsum("HT,TS->HS", q_t, ds_in, preferred_element_type=acc_dtype)
@@ -301,7 +392,7 @@ def _backward_step(plan, mod, consts, i, j, masked: bool, with_ds: bool):
 
 
 def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, out, lse,
-              d_out, d_lse):
+              d_out, d_lse, facts: _Facts = _Facts()):
     """Gradients of the (pre-scaled, padded) q, k, v, the bias, the sinks and score_mod's
     closed-over arrays, recomputing each visited block's weights. q, out and d_out are
     heads first `[B, K, G, Tp, ·]`, lse and d_lse `[B, K, G, Tp]`."""
@@ -320,7 +411,7 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
     q_t, d_out_t = (jnp.swapaxes(x, -1, -2) for x in (q, d_out))
 
     def key_block(carry, xs):
-        j, full, partial = xs
+        j, *visits = xs
         # [B, K, 1, bk, H], [B, K, 1, bk, V]: the block in head-major order once per key
         # block ("heads" layout, shared by the G heads of a group), not once per visit.
         if k.ndim == 5:   # head-major already
@@ -330,13 +421,14 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
             k_j, v_j = (jnp.moveaxis(lax.dynamic_slice_in_dim(
                 x, j * plan.block_k, plan.block_k, axis=1), 1, 2)[:, :, None] for x in (k, v))
 
-        def step(i, inner, masked):
+        def step(i, inner, masked, near):
             d_q, d_bias, d_consts, d_k, d_v = inner
             rows = i * plan.block_q
             take = lambda x, axis=3: lax.dynamic_slice_in_dim(  # noqa: E731
                 x, rows, plan.block_q, axis=axis)
             grads = heads.over_heads(
-                _backward_step(plan, mod, consts, i, j, masked, d_bias is not None), sizes,
+                _backward_step(plan, mod, facts, consts, i, j, masked, near,
+                               d_bias is not None), sizes,
                 _BACKWARD_IN, ("heads",) * 5)
             d_q_i, d_k_j, d_v_j, ds, d_block_consts = grads(
                 take(q), take(q_t, 4), take(d_out), take(d_out_t, 4), take(lse), take(delta),
@@ -354,7 +446,7 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
         init = (d_q, d_bias, d_consts,
                 jnp.zeros(sizes + (k.shape[-1], plan.block_k), acc_dtype),
                 jnp.zeros(sizes + (v.shape[-1], plan.block_k), acc_dtype))
-        d_q, d_bias, d_consts, d_k, d_v = _visit(full, partial, step, init)
+        d_q, d_bias, d_consts, d_k, d_v = _visit(visits, step, init)
         # The G query heads of a group share its keys and values: [B, bk, K, ·]
         d_k, d_v = (jnp.moveaxis(x.sum(axis=2), 3, 1) for x in (d_k, d_v))
         return (d_q, d_bias, d_consts), (d_k, d_v)
@@ -394,17 +486,17 @@ def _add_block(total, block, row, col):
     return lax.dynamic_update_slice(total, current + block, start)
 
 
-def _kernel(plan: _Plan, mod, monotone):
+def _kernel(plan: _Plan, mod, facts: _Facts):
     """The custom-VJP attention of one plan, on padded, heads-first queries: `(out, lse)`."""
 
     @jax.custom_vjp
     def attend(q, k, v, bias, sinks, consts, mask, dropout_key, rows, cols):
         return _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
-                        monotone)
+                        facts)
 
     def forward(q, k, v, bias, sinks, consts, mask, dropout_key, rows, cols):
         out, lse = _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
-                            monotone)
+                            facts)
         return (out, lse), (q, k, v, bias, sinks, consts, mask, dropout_key, cols, out, lse)
 
     def backward(residuals, cotangents):
@@ -413,7 +505,7 @@ def _kernel(plan: _Plan, mod, monotone):
         # q entered pre-scaled: autodiff of that multiply applies the scale to d_q.
         d_q, d_k, d_v, d_bias, d_sinks, d_consts = _backward(
             plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, out, lse,
-            d_out, d_lse)
+            d_out, d_lse, facts)
         return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
                 None if bias is None else d_bias.astype(bias.dtype),
                 None if sinks is None else d_sinks.astype(sinks.dtype),
@@ -514,9 +606,10 @@ def _attend(q, k, v, mask: Mask, score: Score, options: Options):
     """`attend` for the heads of one pass."""
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(
         q, k, v, mask, score, options.block_q, options.block_k, options.dropout_rate)
-    monotone = getattr(score.mod, "monotone", None)
-    out, lse = _kernel(plan, mod, monotone)(q, k, v, bias, score.sinks, consts, mask,
-                                  options.dropout_key, _visits(table), _visits(table.T))
+    facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
+    out, lse = _kernel(plan, mod, facts)(q, k, v, bias, score.sinks, consts, mask,
+                                         options.dropout_key,
+                                         *_visits_of(plan, facts, table, q, k))
     return _rows_first(out, plan.t), _rows_first(lse, plan.t), None
 
 
@@ -531,7 +624,9 @@ def forward_with_lse(q, k, v, mask: Mask, score: Score, block_sizes=(None, None)
     to whole blocks, `[B, K, G, Tp, V]` and `[B, K, G, Tp]` (no copy)."""
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
                                                              *block_sizes, 0.0)
-    out, lse = _forward(plan, mod, q, k, v, mask, bias, None, consts, None, _visits(table))
+    facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
+    rows, _ = _visits_of(plan, facts, table, q, k)
+    out, lse = _forward(plan, mod, q, k, v, mask, bias, None, consts, None, rows, facts)
     if not rows_first:
         return out, lse
     return _rows_first(out, plan.t), _rows_first(lse, plan.t)
@@ -552,9 +647,11 @@ def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
     # [B, K, G, Tp, ·]
     heads_first = lambda x: x if not rows_first else jnp.moveaxis(  # noqa: E731
         pad_axis(x, plan.padded_t, 1), 1, 3)
-    d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None,
-                                  _visits(table.T), heads_first(out), heads_first(lse),
-                                  heads_first(d_out), None)
+    facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
+    _, cols = _visits_of(plan, facts, table, q, k)
+    d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None, cols,
+                                  heads_first(out), heads_first(lse), heads_first(d_out),
+                                  None, facts)
     # q entered pre-scaled: the chain rule applies the scale to d_q
     d_q = (_rows_first(d_q, plan.t) if rows_first else d_q) * score.scale
     return d_q, d_k[:, : plan.s], d_v[:, : plan.s]

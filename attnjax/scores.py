@@ -18,10 +18,12 @@ logits elementwise before masking; `Score` gathers what one call does to its log
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float
@@ -133,7 +135,13 @@ def additive_score(
 # attnjax.masks), score float32 (float64 for float64 inputs). Arrays a score_mod closes
 # over receive gradients in every implementation. A score_mod that depends on the score
 # alone, through a non-decreasing function f, may set `score_mod.monotone = f`: the
-# chunked kernel then takes row maxima before the modification.
+# chunked kernel then takes row maxima before the modification. One whose values always
+# lie in [lo, hi] may set `score_mod.bounds = (lo, hi)`: where hi − lo is small enough
+# (`attnjax.chunked.BOUNDED_RANGE`), the chunked kernel shifts every row by hi instead of
+# by a running maximum. One that, on float32 scores no larger than `limit` in magnitude,
+# equals a cheaper function g of the score alone may set `score_mod.near_zero = (limit,
+# g)`: the chunked kernel uses g on every block whose logits (of every head) all lie
+# within ±limit.
 
 ScoreMod = Callable[[Array, Array, Array, Array, Array], Array]
 
@@ -162,7 +170,47 @@ def soft_cap(cap: float) -> ScoreMod:
     # A non-decreasing function of the score alone: the chunked kernel may take a row's
     # maximum before squashing (one pass less over each block of logits).
     mod.monotone = squash
+    # Every value lies in (−cap, cap).
+    mod.bounds = (-cap, cap)
+    # For |score| ≤ cap, the same values without tanh's division.
+    mod.near_zero = (cap, lambda score: _soft_cap_near_zero(score, cap))
     return mod
+
+
+# tanh(y) = y + y·z·Q(z), z = y², on |y| ≤ 1: Q's coefficients, lowest first (a
+# Chebyshev fit of (tanh(y)/y − 1)/z). In float32, evaluated as below, cap·tanh(s/cap)
+# comes within 1.2 ulp of the exact value there (XLA's own float32 tanh: 4.2 ulp).
+_TANH_Q = (-0.33333328531186157, 0.1333305917214049, -0.053929632995321,
+           0.02164345141028236, -0.008192468761511562, 0.0024901456250968172,
+           -0.0004146596935730571)
+
+
+def _polynomial(x, coefficients):
+    """Σ c_k x^k (7 coefficients), in pairs: short dependency chains vectorise well."""
+    c = [jnp.asarray(value, x.dtype) for value in coefficients]
+    x2 = x * x
+    return (c[0] + c[1] * x) + x2 * ((c[2] + c[3] * x) + x2 * ((c[4] + c[5] * x) + x2 * c[6]))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _soft_cap_near_zero(score, cap: float):
+    """cap·tanh(score/cap) for float32 |score| ≤ cap (elsewhere meaningless), without
+    tanh's division: score + score·z·Q(z), z = (score/cap)². For caps in [2⁻⁸, 2⁸] as
+    score + score·w·Q(w/cap²)/cap², w = score², with the 1/cap² powers folded into the
+    coefficients (one product fewer; outside that range they leave float32's range)."""
+    if not 2.0 ** -8 <= cap <= 2.0 ** 8:
+        z = jnp.square(score * (1.0 / cap))
+        return score + score * (z * _polynomial(z, _TANH_Q))
+    w = score * score
+    scaled = [c * cap ** (-2 * (k + 1)) for k, c in enumerate(_TANH_Q)]
+    return score + score * (w * _polynomial(w, scaled))
+
+
+@_soft_cap_near_zero.defjvp
+def _soft_cap_near_zero_jvp(cap, primals, tangents):
+    out = _soft_cap_near_zero(primals[0], cap)
+    t = out * (1.0 / cap)
+    return out, (1 - t * t) * tangents[0]
 
 
 def alibi_slopes(num_heads: int) -> Array:
@@ -296,6 +344,9 @@ def chain(*mods: ScoreMod) -> ScoreMod:
             score = fn(score, b, n, q_pos, k_pos)
         return score
 
+    # The last modification bounds the chain's values (chain(alibi(m), soft_cap(30))).
+    if mods and hasattr(mods[-1], "bounds"):
+        mod.bounds = mods[-1].bounds
     return mod
 
 

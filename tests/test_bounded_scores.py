@@ -1,0 +1,172 @@
+"""Bounded score modifications in the chunked kernel: soft_cap's fixed row shift and its
+division-free form on the blocks whose logits lie within ±cap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnjax
+from attnjax import chunked, masks, scores
+from attnjax.core import MASKED
+
+B, T, N, K, H = 2, 200, 4, 2, 16
+BLOCKS = (64, 64)
+
+
+def _ulps(actual, exact):
+    """|actual − exact| in float32 ulps of the exact value."""
+    exact = np.asarray(exact, np.float64)
+    ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+    return np.abs(np.asarray(actual, np.float64) - exact) / ulp
+
+
+@pytest.mark.parametrize("cap", [0.001, 1.0, 30.0, 1000.0])
+def test_soft_cap_near_zero_form_is_tanh_within_two_ulp(cap):
+    limit, near = scores.soft_cap(cap).near_zero
+    assert limit == cap
+    rs = np.random.RandomState(int(cap * 1000) % 2**31)
+    s = (rs.uniform(-1.0, 1.0, 200_000) * cap).astype(np.float32)
+    exact = cap * np.tanh(s.astype(np.float64) / cap)
+    values = np.asarray(jax.jit(near)(jnp.asarray(s)))
+    nonzero = s != 0
+    assert _ulps(values, exact)[nonzero].max() <= 2.0
+    # its derivative is 1 − tanh², as autodiff of the exact form gives
+    slopes = np.asarray(jax.jit(jax.vmap(jax.grad(near)))(jnp.asarray(s[:2000])))
+    np.testing.assert_allclose(slopes, 1 - np.tanh(s[:2000].astype(np.float64) / cap) ** 2,
+                               rtol=0, atol=3e-7)
+
+
+def _heads_first(q, scale, block_q):
+    """q `[B, T, N, H]` as the kernel holds it: pre-scaled, `[B, K, G, Tp, H]`."""
+    b, t, n, h = q.shape
+    q = (q * scale).reshape(b, t, K, n // K, h).transpose(0, 2, 3, 1, 4)
+    padded = -(-t // block_q) * block_q
+    return jnp.pad(q, ((0, 0),) * 3 + ((0, padded - t), (0, 0)))
+
+
+def _inputs(seed):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
+    # the second and the fourth query block far larger: their logits pass ±cap
+    rows = jnp.arange(T)
+    big = ((rows // BLOCKS[0]) % 2 == 1)[None, :, None, None]
+    q = jnp.where(big, 8.0 * q, q)
+    k, v = (jax.random.normal(key, (B, T, K, H), jnp.float32) for key in keys[1:3])
+    d_out = jax.random.normal(keys[3], (B, T, N, H), jnp.float32)
+    sinks = jax.random.normal(keys[4], (N,), jnp.float32)
+    return q, k, v, d_out, sinks
+
+
+def test_near_zero_blocks_are_sound_and_both_kinds_occur():
+    cap = 30.0
+    q, k, *_ = _inputs(0)
+    scale = H ** -0.5
+    q_hf = _heads_first(q, scale, BLOCKS[0])
+    plan = chunked._Plan(T, T, *BLOCKS)
+    k = jnp.pad(k, ((0, 0), (0, plan.padded_s - T), (0, 0), (0, 0)))
+    near = np.asarray(chunked._near_table(plan, q_hf, k, cap))
+    assert near.shape == (plan.num_q_blocks, plan.num_k_blocks)
+    # [B, K, G, Tp, Sp]: every head's logits, and their largest magnitude per block
+    logits = jnp.einsum("bkgth,bskh->bkgts", q_hf, k)
+    largest = np.abs(np.asarray(logits)).reshape(
+        logits.shape[:3] + (near.shape[0], BLOCKS[0], near.shape[1], BLOCKS[1])
+    ).max(axis=(0, 1, 2, 4, 6))
+    assert np.all(largest[near] <= cap)
+    assert near.any() and not near.all()
+    # the large query blocks are the ones left out
+    assert not near[1].any() and near[0].all()
+
+
+def _dense_and_chunked(q, k, v, d_out, sinks, mask, mod):
+    results = []
+    for implementation, blocks in (("dense", None), ("chunked", BLOCKS)):
+        def loss(q, k, v, sinks, implementation=implementation, blocks=blocks):
+            out = attnjax.dot_product_attention(
+                q, k, v, mask=mask, score_mod=mod, sinks=sinks,
+                implementation=implementation, block_sizes=blocks)
+            return jnp.sum(out * d_out), out
+        grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
+        results.append((out, grads))
+    return results
+
+
+def _relative_error(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_soft_cap_on_mixed_blocks_equals_dense(causal):
+    """Blocks within ±cap take the polynomial, the others tanh: outputs and gradients
+    (q, k, v, sinks) equal dense attention's in float32."""
+    q, k, v, d_out, sinks = _inputs(1)
+    mask = masks.causal() if causal else None
+    run = jax.jit(lambda *a: _dense_and_chunked(*a, mask, scores.soft_cap(30.0)))
+    (dense_out, dense_grads), (out, grads) = run(q, k, v, d_out, sinks)
+    assert _relative_error(out, dense_out) < 2e-5
+    for name, got, want in zip("qkv", grads[:3], dense_grads[:3]):
+        assert _relative_error(got, want) < 2e-5, name
+    assert _relative_error(grads[3], dense_grads[3]) < 2e-5
+
+
+def test_bounded_shift_keeps_rows_of_very_negative_logits():
+    """With every logit of a row at about −cap (range 2·cap = 64, BOUNDED_RANGE), the
+    weights exp(−2·cap) stay normal floats: the row averages its values instead of
+    seeing nothing."""
+    cap = chunked.BOUNDED_RANGE / 2
+    keys = jax.random.split(jax.random.key(2), 3)
+    k = jax.random.normal(keys[0], (1, 40, 1, H), jnp.float32)
+    k = k.at[..., 0].set(3.0 + jnp.abs(k[..., 0]))
+    # every query −100·e₀: q·k·H^−½ ≤ −75 < −cap for every key
+    q = jnp.zeros((1, 24, 1, H), jnp.float32).at[..., 0].set(-100.0)
+    assert float(jnp.max(jnp.einsum("bth,bsh->bts", q[:, :, 0], k[:, :, 0]))) * H ** -0.5 < -cap
+    v = jax.random.normal(keys[1], (1, 40, 1, H), jnp.float32)
+    mod = scores.soft_cap(cap)
+    dense = attnjax.dot_product_attention(q, k, v, score_mod=mod, implementation="dense")
+    out = attnjax.dot_product_attention(q, k, v, score_mod=mod, implementation="chunked",
+                                        block_sizes=(8, 16))
+    assert chunked._facts(mod, [], None, jnp.float32).ceiling == cap
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense), rtol=0, atol=2e-5)
+
+
+def test_bounded_shift_with_large_sinks_and_rows_that_see_nothing():
+    """A sink above the cap becomes the shift; a row that sees no key gives zeros and
+    the log-sum-exp MASKED without a sink, the sink's own logit with one."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(key, (1, 30, 2, H), jnp.float32) for key in keys)
+    mod = scores.soft_cap(10.0)
+    # the first three queries see no key
+    lengths = masks.lengths(query=jnp.array([27]))
+    hidden = masks.from_fn(lambda b, n, q_pos, k_pos: q_pos >= 3)
+    mask = lengths & hidden
+    for sinks in (None, jnp.array([40.0, -3.0], jnp.float32)):
+        results = {}
+        for implementation, blocks in (("dense", None), ("chunked", (8, 8))):
+            results[implementation] = attnjax.dot_product_attention(
+                q, k, v, mask=mask, score_mod=mod, sinks=sinks, return_residual=True,
+                implementation=implementation, block_sizes=blocks)
+        (out, lse), (dense_out, dense_lse) = results["chunked"], results["dense"]
+        np.testing.assert_allclose(np.asarray(out), np.asarray(dense_out), rtol=0, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(dense_lse), rtol=2e-6,
+                                   atol=2e-5)
+        assert np.all(np.asarray(out[:, :3]) == 0)
+        expected = MASKED if sinks is None else np.asarray(sinks)[None, None]
+        np.testing.assert_allclose(np.asarray(lse[:, :3]),
+                                   np.broadcast_to(expected, lse[:, :3].shape), rtol=1e-6)
+
+
+def test_only_narrow_bounds_and_float32_take_the_fast_paths():
+    wide = scores.soft_cap(chunked.BOUNDED_RANGE)          # range 2·64 > 64
+    facts = chunked._facts(wide, [], None, jnp.float32)
+    assert facts.ceiling is None and facts.near_zero is not None
+    narrow = scores.soft_cap(20.0)
+    assert chunked._facts(narrow, [], None, jnp.float32).ceiling == 20.0
+    # float64 logits, or a bias: no near-zero form (its accuracy is float32's; the
+    # Cauchy–Schwarz bound covers q·k alone)
+    assert chunked._facts(narrow, [], None, jnp.float64).near_zero is None
+    assert chunked._facts(narrow, [], jnp.ones((1, 1, 1, 1)), jnp.float32).near_zero is None
+    # chain() keeps the last modification's bounds
+    chained = scores.chain(scores.alibi(scores.alibi_slopes(2)), narrow)
+    assert chained.bounds == (-20.0, 20.0)

@@ -575,27 +575,21 @@ def attend(
         return _attend(q, k, v, mask, score, options)
     groups = size // per_pass
 
-    def split(x, at):
-        # [..., size, ...] at axis `at` -> [groups, ..., per_pass, ...]
-        x = x.reshape(x.shape[:at] + (groups, per_pass) + x.shape[at + 1:])
-        return jnp.moveaxis(x, at, 0)
-
-    # Per-head arrays are [B|1, K|1, G|1, ...]: split where the axis is whole, shared
-    # (closed over) where it is a unit axis.
+    # Per-head arrays are [B|1, K|1, G|1, ...]: sliced where the axis is whole, shared
+    # where it is a unit axis. Each group slices its heads out of the arrays as they
+    # are: splitting them into groups up front would copy q, k and v whole.
     meta_axis = axis - 1
     meta = (mask, score, options)
     whole = jax.tree.map(lambda x: x.shape[meta_axis] == size, meta)
-    mapped = jax.tree.map(lambda x, w: split(x, meta_axis) if w else None, meta, whole)
-    kv = (k, v) if axis == 2 else None
 
-    def one_group(xs):
-        q_g, kv_g, mapped_g = xs
-        k_g, v_g = (k, v) if kv_g is None else kv_g
-        meta_g = jax.tree.map(lambda x, m, w: m if w else x, meta, mapped_g, whole)
-        return _attend(q_g, k_g, v_g, *meta_g)[:2]
+    def one_group(index):
+        heads_of = lambda x, at: lax.dynamic_slice_in_dim(  # noqa: E731
+            x, index * per_pass, per_pass, at)
+        k_g, v_g = (k, v) if axis == 3 else (heads_of(k, 2), heads_of(v, 2))
+        meta_g = jax.tree.map(lambda x, w: heads_of(x, meta_axis) if w else x, meta, whole)
+        return _attend(heads_of(q, axis), k_g, v_g, *meta_g)[:2]
 
-    kv_split = None if kv is None else tuple(split(x, 2) for x in kv)
-    out, lse = lax.map(one_group, (split(q, axis), kv_split, mapped))
+    out, lse = lax.map(one_group, jnp.arange(groups, dtype=jnp.int32))
     # [groups, B, T, ..., per_pass, ...] -> [B, T, K, G, ·]
     merge = lambda x: jnp.moveaxis(x, 0, axis).reshape(  # noqa: E731
         x.shape[1:axis + 1] + (size,) + x.shape[axis + 2:])

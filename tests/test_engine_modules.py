@@ -7,6 +7,7 @@ import functools
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,7 +66,7 @@ def test_the_cache_builds_no_query_by_cache_mask(rng):
 def _nested_bool_shapes(jaxpr):
     found = set()
     for eqn in jaxpr.eqns:
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             for inner in sub.eqns:
                 found |= {tuple(v.aval.shape) for v in inner.outvars
                           if getattr(v.aval, "dtype", None) == jnp.bool_}

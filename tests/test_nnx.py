@@ -93,10 +93,14 @@ def test_state_loads_from_and_into_flax(inputs):
 def test_sow_weights_as_flax_sows_them(inputs):
     x, _ = inputs
     flax_mha, ours = _pair(4, num_heads=4, in_features=D)
-    _call(flax_mha, x, sow_weights=True, is_causal=True)
-    _call(ours, x, sow_weights=True, is_causal=True)
-    theirs = nnx.to_pure_dict(nnx.pop(flax_mha, nnx.Intermediate))["attention_weights"]
-    mine = nnx.to_pure_dict(nnx.pop(ours, nnx.Intermediate))["attention_weights"]
+    sown = []
+    for module in (flax_mha, ours):
+        # flax's way to collect what a module sows: nnx.capture
+        forward = nnx.capture(lambda m, x: m(x, sow_weights=True, is_causal=True),
+                              nnx.Intermediate)
+        _, intermediates = forward(module, x)
+        sown.append(nnx.to_pure_dict(intermediates)["attention_weights"])
+    theirs, mine = sown
     assert mine[0].shape == (B, 4, T, T)
     np.testing.assert_allclose(mine[0], theirs[0], atol=ATOL)
 

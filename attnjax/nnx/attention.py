@@ -202,7 +202,8 @@ class MultiHeadAttention(nnx.Module):
         (nonzero = attend), or an `attnjax.Mask`. deterministic, rngs, decode: as in
         flax (the call's take precedence over the module's). is_causal: or'ed with the
         module's. sow_weights: the `[batch..., N, T, S]` weights as the nnx.Intermediate
-        "attention_weights", as flax sows them. attention_options: any other keyword of
+        "attention_weights", as flax sows them (collect them with
+        `nnx.capture(module, nnx.Intermediate)`). attention_options: any other keyword of
         `attnjax.dot_product_attention` (bias, query_lengths, positions, score_mod,
         sinks, causal_alignment, ...); with several batch axes its per-example arrays
         (and a Mask's) are laid out over their flattened product."""

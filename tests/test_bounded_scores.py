@@ -126,9 +126,10 @@ def test_bounded_shift_keeps_rows_of_very_negative_logits():
     assert float(jnp.max(jnp.einsum("bth,bsh->bts", q[:, :, 0], k[:, :, 0]))) * H ** -0.5 < -cap
     v = jax.random.normal(keys[1], (1, 40, 1, H), jnp.float32)
     mod = scores.soft_cap(cap)
-    dense = attnjax.dot_product_attention(q, k, v, score_mod=mod, implementation="dense")
-    out = attnjax.dot_product_attention(q, k, v, score_mod=mod, implementation="chunked",
-                                        block_sizes=(8, 16))
+    dense, out = jax.jit(lambda q, k, v: [
+        attnjax.dot_product_attention(q, k, v, score_mod=mod, implementation=implementation,
+                                      block_sizes=blocks)
+        for implementation, blocks in (("dense", None), ("chunked", (8, 16)))])(q, k, v)
     assert chunked._facts(mod, [], None, jnp.float32).ceiling == cap
     assert np.all(np.isfinite(np.asarray(out)))
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), rtol=0, atol=2e-5)
@@ -144,13 +145,14 @@ def test_bounded_shift_with_large_sinks_and_rows_that_see_nothing():
     lengths = masks.lengths(query=jnp.array([27]))
     hidden = masks.from_fn(lambda b, n, q_pos, k_pos: q_pos >= 3)
     mask = lengths & hidden
+    def both(q, k, v, sinks):
+        return [attnjax.dot_product_attention(
+                    q, k, v, mask=mask, score_mod=mod, sinks=sinks, return_residual=True,
+                    implementation=implementation, block_sizes=blocks)
+                for implementation, blocks in (("dense", None), ("chunked", (8, 8)))]
+
     for sinks in (None, jnp.array([40.0, -3.0], jnp.float32)):
-        results = {}
-        for implementation, blocks in (("dense", None), ("chunked", (8, 8))):
-            results[implementation] = attnjax.dot_product_attention(
-                q, k, v, mask=mask, score_mod=mod, sinks=sinks, return_residual=True,
-                implementation=implementation, block_sizes=blocks)
-        (out, lse), (dense_out, dense_lse) = results["chunked"], results["dense"]
+        (dense_out, dense_lse), (out, lse) = jax.jit(both)(q, k, v, sinks)
         np.testing.assert_allclose(np.asarray(out), np.asarray(dense_out), rtol=0, atol=2e-5)
         np.testing.assert_allclose(np.asarray(lse), np.asarray(dense_lse), rtol=2e-6,
                                    atol=2e-5)

@@ -81,10 +81,13 @@ def _kinds(near_split: bool) -> tuple[tuple[bool, bool], ...]:
     return tuple((masked, near) for masked in (False, True) for near in nears)
 
 
-def _visits(table, near=None):
+def _visits(table, near=None, transpose: bool = False):
     """For each row of a `[rows, cols]` block table (and of its `[rows, cols]` near-zero
     table, if any), the columns of each kind of visit (`_kinds`): a pair per kind
-    (`[rows, cols]` column lists, in order and then padding; `[rows]` counts)."""
+    (`[rows, cols]` column lists, in order and then padding; `[rows]` counts). With
+    transpose, the rows of each column instead."""
+    if transpose:
+        table, near = table.T, None if near is None else near.T
     lists = []
     for masked, close in _kinds(near is not None):
         hit = table == (PARTIAL if masked else FULL)
@@ -237,13 +240,11 @@ def _near_table(plan: _Plan, q, k, limit: float) -> Array:
     return bound <= limit * (1 - 1e-5)
 
 
-def _visits_of(plan: _Plan, facts: _Facts, table, q, k):
-    """The row and the column visits (`_visits`) of one call: the block table's, split
-    by `_near_table` where the score_mod has a near-zero form."""
-    near = None
-    if facts.near_zero is not None:
-        near = _near_table(plan, q, k, facts.near_zero[0])
-    return (_visits(table, near), _visits(table.T, None if near is None else near.T))
+def _near(plan: _Plan, facts: _Facts, q, k):
+    """The `_near_table` of a call whose score_mod has a near-zero form, else None."""
+    if facts.near_zero is None:
+        return None
+    return _near_table(plan, q, k, facts.near_zero[0])
 
 
 def _masked(s, visible):
@@ -601,9 +602,10 @@ def _attend(q, k, v, mask: Mask, score: Score, options: Options):
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(
         q, k, v, mask, score, options.block_q, options.block_k, options.dropout_rate)
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
+    near = _near(plan, facts, q, k)
     out, lse = _kernel(plan, mod, facts)(q, k, v, bias, score.sinks, consts, mask,
-                                         options.dropout_key,
-                                         *_visits_of(plan, facts, table, q, k))
+                                         options.dropout_key, _visits(table, near),
+                                         _visits(table, near, transpose=True))
     return _rows_first(out, plan.t), _rows_first(lse, plan.t), None
 
 
@@ -619,7 +621,7 @@ def forward_with_lse(q, k, v, mask: Mask, score: Score, block_sizes=(None, None)
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
                                                              *block_sizes, 0.0)
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
-    rows, _ = _visits_of(plan, facts, table, q, k)
+    rows = _visits(table, _near(plan, facts, q, k))
     out, lse = _forward(plan, mod, q, k, v, mask, bias, None, consts, None, rows, facts)
     if not rows_first:
         return out, lse
@@ -642,7 +644,7 @@ def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
     heads_first = lambda x: x if not rows_first else jnp.moveaxis(  # noqa: E731
         pad_axis(x, plan.padded_t, 1), 1, 3)
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
-    _, cols = _visits_of(plan, facts, table, q, k)
+    cols = _visits(table, _near(plan, facts, q, k), transpose=True)
     d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None, cols,
                                   heads_first(out), heads_first(lse), heads_first(d_out),
                                   None, facts)

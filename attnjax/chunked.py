@@ -231,7 +231,7 @@ def _near_table(plan: _Plan, q, k, limit: float) -> Array:
         shape = norms.shape[:axis] + (-1, block) + norms.shape[axis + 1:]
         return norms.reshape(shape).max(axis=axis + 1)
 
-    norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1))  # noqa: E731
+    norm = lambda x: jnp.linalg.norm(x.astype(jnp.float32), axis=-1)  # noqa: E731
     # [B, K, G, nq], [B, K, nk]
     q_max = block_max(norm(q), plan.block_q, 3)
     k_max = block_max(norm(k[:, :, 0]) if k.ndim == 5 else jnp.moveaxis(norm(k), 1, 2),

@@ -9,6 +9,7 @@ import pytest
 import attnjax
 from attnjax import chunked, masks, scores
 from attnjax.core import MASKED
+from tests.numerics import relative_error
 
 B, T, N, K, H = 2, 200, 4, 2, 16
 BLOCKS = (64, 64)
@@ -91,11 +92,6 @@ def _dense_and_chunked(q, k, v, d_out, sinks, mask, mod):
     return results
 
 
-def _relative_error(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1.0)
-
-
 @pytest.mark.parametrize("causal, cap", [(False, 30.0), (True, 30.0), (True, 40.0)])
 def test_soft_cap_on_mixed_blocks_equals_dense(causal, cap):
     """Blocks within ±cap take the polynomial, the others tanh: outputs and gradients
@@ -107,10 +103,10 @@ def test_soft_cap_on_mixed_blocks_equals_dense(causal, cap):
     assert (chunked._facts(mod, [], None, jnp.float32).ceiling is None) == (cap == 40.0)
     run = jax.jit(lambda *a: _dense_and_chunked(*a, mask, mod))
     (dense_out, dense_grads), (out, grads) = run(q, k, v, d_out, sinks)
-    assert _relative_error(out, dense_out) < 2e-5
+    assert relative_error(out, dense_out) < 2e-5
     for name, got, want in zip("qkv", grads[:3], dense_grads[:3]):
-        assert _relative_error(got, want) < 2e-5, name
-    assert _relative_error(grads[3], dense_grads[3]) < 2e-5
+        assert relative_error(got, want) < 2e-5, name
+    assert relative_error(grads[3], dense_grads[3]) < 2e-5
 
 
 def test_bounded_shift_keeps_rows_of_very_negative_logits():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import attnjax
 from attnjax import chunked, heads, masks
 from tests import reference
+from tests.numerics import relative_error
 
 # (B, T, S, N, K, H, V, block sizes): no length a multiple of its block in most rows.
 SHAPES = [
@@ -21,16 +22,6 @@ SHAPES = [
     (2, 7, 30, 3, 1, 8, 8, (8, 16)),
     (1, 19, 9, 2, 1, 4, 6, (16, 4)),
 ]
-
-
-def _relative_error(actual, expected):
-    """max |a − e| / max |e|: relative to the array's scale, so near-zero entries of a
-    well-scaled array do not dominate. The scale is floored at 1, the scale of the unit
-    normal inputs: when every query sees a single key, the exact query and bias
-    gradients p·(dp − Σ p·dp) cancel to zero, and float32 leaves residues of about 1e-7
-    from the O(1) terms that cancel; relative to zero, any residue would be infinite."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1.0)
 
 
 def _inputs(seed, b, t, s, n, k, h, v, dtype=jnp.float32):
@@ -116,9 +107,9 @@ def test_chunked_equals_dense_outputs_and_gradients(case):
     (dense_out, dense_grads), (out, grads) = _outputs_and_grads(
         q, kk, vv, d_out, bias, options, case["blocks"])
     chex.assert_tree_all_finite((out, grads))
-    assert _relative_error(out, dense_out) <= 2e-5
+    assert relative_error(out, dense_out) <= 2e-5
     for name, g, g_dense in zip(("query", "key", "value", "bias"), grads, dense_grads):
-        assert _relative_error(g, g_dense) <= 2e-5, name
+        assert relative_error(g, g_dense) <= 2e-5, name
     # Rows that see no key are exact zeros, as in dense.
     np.testing.assert_array_equal(np.asarray(out) == 0, np.asarray(dense_out) == 0)
 
@@ -143,9 +134,9 @@ def test_chunked_bfloat16_within_1e_2_of_dense():
     (dense_out, dense_grads), (out, grads) = _outputs_and_grads(
         q, k, v, d_out, bias, options, (16, 16))
     chex.assert_type([out, *grads[:3]], jnp.bfloat16)
-    assert _relative_error(out, dense_out) <= 1e-2
+    assert relative_error(out, dense_out) <= 1e-2
     for g, g_dense in zip(grads[:3], dense_grads[:3]):
-        assert _relative_error(g, g_dense) <= 1e-2
+        assert relative_error(g, g_dense) <= 1e-2
 
 
 def test_gradients_float64_check_grads():

@@ -221,16 +221,10 @@ def _facts(score_mod, consts, bias, logits_dtype) -> _Facts:
                   float(hi) if hi - lo <= BOUNDED_RANGE else None, near_zero)
 
 
-def _near_table(plan: _Plan, q, k, limit: float) -> Array:
-    """`[nq, nk]` bool: the blocks whose logits of every head lie within ±limit, by
-    Cauchy–Schwarz, |q·k| ≤ |q|·|k| (q pre-scaled, `[B, K, G, Tp, H]`; k `[B, Sp, K, H]`
-    or head-major `[B, K, 1, Sp, H]`), with a margin for rounding. NaN and inf are never
-    near."""
-    def block_max(norms, block, axis):
-        # [..., L, ...] -> [..., L / block, ...]
-        shape = norms.shape[:axis] + (-1, block) + norms.shape[axis + 1:]
-        return norms.reshape(shape).max(axis=axis + 1)
-
+def row_norms(q, k):
+    """float32 Euclidean norms of the rows of q `[B, T, K, G, H]` and k `[B, S, K, H]`
+    (or head-major `[B, K, 1, S, H]`): `[B, T, K, G]` and `[B, S, K]`, what
+    `_near_table` bounds the logits with."""
     def norm(x):
         # As a product: XLA's CPU backend ran jnp.linalg.norm, fused with the block
         # maxima, ten times slower (5 ms per call at T=4096, N=4). HIGHEST: a bf16 or
@@ -238,19 +232,33 @@ def _near_table(plan: _Plan, q, k, limit: float) -> Array:
         x = x.astype(jnp.float32)
         return jnp.sqrt(jnp.einsum("...h,...h->...", x, x, precision=lax.Precision.HIGHEST))
 
-    # [B, K, G, nq], [B, K, nk]
-    q_max = block_max(norm(q), plan.block_q, 3)
-    k_max = block_max(norm(k[:, :, 0]) if k.ndim == 5 else jnp.moveaxis(norm(k), 1, 2),
-                      plan.block_k, 2)
-    bound = jnp.max(q_max[..., :, None] * k_max[:, :, None, None, :], axis=(0, 1, 2))
+    return norm(q), (jnp.moveaxis(norm(k)[:, :, 0], 1, 2) if k.ndim == 5 else norm(k))
+
+
+def _near_table(plan: _Plan, norms, scale: float, limit: float) -> Array:
+    """`[nq, nk]` bool: the blocks whose logits of every head lie within ±limit, by
+    Cauchy–Schwarz, |scale·q·k| ≤ |scale|·|q|·|k| (norms: `row_norms` of the unscaled q
+    and of k, unpadded), with a margin for rounding. NaN and inf are never near."""
+    def block_max(norms, length, block):
+        # [B, L, ...] -> [B, L / block, ...], padding rows at norm 0
+        return pad_axis(norms, length, 1).reshape(
+            (norms.shape[0], -1, block) + norms.shape[2:]).max(axis=2)
+
+    q_norms, k_norms = norms
+    # [B, nq, K, G], [B, nk, K]
+    q_max = block_max(q_norms, plan.padded_t, plan.block_q) * abs(scale)
+    k_max = block_max(k_norms, plan.padded_s, plan.block_k)
+    bound = jnp.max(q_max[:, :, None] * k_max[:, None, :, :, None], axis=(0, 3, 4))
     return bound <= limit * (1 - 1e-5)
 
 
-def _near(plan: _Plan, facts: _Facts, q, k):
-    """The `_near_table` of a call whose score_mod has a near-zero form, else None."""
+def _near(plan: _Plan, facts: _Facts, q, k, scale, norms=None):
+    """The `_near_table` of a call whose score_mod has a near-zero form, else None. q
+    and k as `row_norms` takes them (unscaled), unless their norms are given."""
     if facts.near_zero is None:
         return None
-    return _near_table(plan, q, k, facts.near_zero[0])
+    return _near_table(plan, row_norms(q, k) if norms is None else norms, scale,
+                       facts.near_zero[0])
 
 
 def _masked(s, visible):
@@ -588,13 +596,18 @@ def attend(
     meta_axis = axis - 1
     meta = (mask, score, options)
     whole = jax.tree.map(lambda x: x.shape[meta_axis] == size, meta)
+    # The row norms a near-zero form needs, of all heads in one pass each: per group,
+    # XLA's CPU backend would first copy each group's heads out of q and k.
+    norms = row_norms(q, k) if getattr(score.mod, "near_zero", None) else None
 
     def one_group(index):
         heads_of = lambda x, at: lax.dynamic_slice_in_dim(  # noqa: E731
             x, index * per_pass, per_pass, at)
         k_g, v_g = (k, v) if axis == 3 else (heads_of(k, 2), heads_of(v, 2))
         meta_g = jax.tree.map(lambda x, w: heads_of(x, meta_axis) if w else x, meta, whole)
-        return _attend(heads_of(q, axis), k_g, v_g, *meta_g)[:2]
+        norms_g = None if norms is None else (
+            heads_of(norms[0], axis), norms[1] if axis == 3 else heads_of(norms[1], 2))
+        return _attend(heads_of(q, axis), k_g, v_g, *meta_g, norms_g)[:2]
 
     out, lse = lax.map(one_group, jnp.arange(groups, dtype=jnp.int32))
     # [groups, B, T, ..., per_pass, ...] -> [B, T, K, G, ·]
@@ -603,12 +616,13 @@ def attend(
     return merge(out), merge(lse), None
 
 
-def _attend(q, k, v, mask: Mask, score: Score, options: Options):
-    """`attend` for the heads of one pass."""
+def _attend(q, k, v, mask: Mask, score: Score, options: Options, norms=None):
+    """`attend` for the heads of one pass (norms: their `row_norms`, if taken)."""
+    near_args = q, k, score.scale, norms
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(
         q, k, v, mask, score, options.block_q, options.block_k, options.dropout_rate)
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
-    near = _near(plan, facts, q, k)
+    near = _near(plan, facts, *near_args)
     out, lse = _kernel(plan, mod, facts)(q, k, v, bias, score.sinks, consts, mask,
                                          options.dropout_key, _visits(table, near),
                                          _visits(table, near, transpose=True))
@@ -624,10 +638,11 @@ def forward_with_lse(q, k, v, mask: Mask, score: Score, block_sizes=(None, None)
     log-sum-exp of the whole rows. For ring attention, which folds key/value shards in
     one at a time. rows_first=False: as the kernel holds them, heads first and padded
     to whole blocks, `[B, K, G, Tp, V]` and `[B, K, G, Tp]` (no copy)."""
+    near_args = q, k, score.scale
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
                                                              *block_sizes, 0.0)
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
-    rows = _visits(table, _near(plan, facts, q, k))
+    rows = _visits(table, _near(plan, facts, *near_args))
     out, lse = _forward(plan, mod, q, k, v, mask, bias, None, consts, None, rows, facts)
     if not rows_first:
         return out, lse
@@ -644,13 +659,14 @@ def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
     gradients add up to the rows'. rows_first=False: out, lse, d_out and the returned
     d_q as `forward_with_lse(..., rows_first=False)` gives them, heads first and padded.
     """
+    near_args = q, k, score.scale
     plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
                                                              *block_sizes, 0.0)
     # [B, K, G, Tp, ·]
     heads_first = lambda x: x if not rows_first else jnp.moveaxis(  # noqa: E731
         pad_axis(x, plan.padded_t, 1), 1, 3)
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
-    cols = _visits(table, _near(plan, facts, q, k), transpose=True)
+    cols = _visits(table, _near(plan, facts, *near_args), transpose=True)
     d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None, cols,
                                   heads_first(out), heads_first(lse), heads_first(d_out),
                                   None, facts)

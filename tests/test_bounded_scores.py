@@ -65,8 +65,13 @@ def test_near_zero_blocks_are_sound_and_both_kinds_occur():
     scale = H ** -0.5
     q_hf = _heads_first(q, scale, BLOCKS[0])
     plan = chunked._Plan(T, T, *BLOCKS)
+    norms = chunked.row_norms(q.reshape(B, T, K, N // K, H), k)
+    # keys head-major, [B, K, 1, S, H], as ring attention carries them: the same norms
+    head_major = chunked.row_norms(q.reshape(B, T, K, N // K, H),
+                                   jnp.moveaxis(k, 1, 2)[:, :, None])
+    np.testing.assert_array_equal(head_major[1], norms[1])
+    near = np.asarray(chunked._near_table(plan, norms, scale, cap))
     k = jnp.pad(k, ((0, 0), (0, plan.padded_s - T), (0, 0), (0, 0)))
-    near = np.asarray(chunked._near_table(plan, q_hf, k, cap))
     assert near.shape == (plan.num_q_blocks, plan.num_k_blocks)
     # [B, K, G, Tp, Sp]: every head's logits, and their largest magnitude per block
     logits = jnp.einsum("bkgth,bskh->bkgts", q_hf, k)

@@ -73,6 +73,10 @@ def dot_product_attention(
     T ≠ S (`causal_alignment="top_left"` gives jax.nn's), and a query that sees no key
     gets zeros where jax.nn averages every value.
 
+    Called on concrete arrays (outside jit, grad and vmap), the kernel runs as one
+    program compiled once per shape and static options; inside them it is traced into
+    the caller's program.
+
     Args:
       query: `[B, T, N, H]`, or `[T, N, H]` for one unbatched example.
       key: `[B, S, K, H]` (or `[S, K, H]`); K must divide N.
@@ -176,7 +180,10 @@ def dot_product_attention(
         lse = weights = None
     else:
         bound = attention_mask.bind(shape, positions)
-        out, lse, weights = _per_head(name, query, key, value, bound, score, options)
+        compute = _per_head
+        if not _tracing(query, key, value, bound, score, options):
+            compute = _compiled_per_head
+        out, lse, weights = compute(name, query, key, value, bound, score, options)
     if shape.unbatched:
         out, lse, weights = (None if x is None else x[0] for x in (out, lse, weights))
     extras = ((weights,) if return_weights else ()) + ((lse,) if return_residual else ())
@@ -463,6 +470,18 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
     # out [B, T, K, G, V], lse [B, T, K, G], weights [B, K, G, T, S] or None
     return (out.reshape(b, t, n, value.shape[-1]), lse.reshape(b, t, n),
             None if weights is None else weights.reshape(b, n, t, s))
+
+
+# A call on concrete arrays (not inside jit, grad or vmap) runs as one program, compiled
+# once per shape and static options, rather than as the hundreds of one-operation
+# programs the kernel is made of: what a user calling it eagerly, or a flax module
+# outside jit, gets. Inside a transformation the kernel is traced into the caller's
+# program as it is.
+_compiled_per_head = jax.jit(_per_head, static_argnums=0)
+
+
+def _tracing(*trees) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
 def map_heads(fn, query, key, value, meta, *, rows_first: tuple[bool, ...]):

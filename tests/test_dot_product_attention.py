@@ -231,3 +231,32 @@ def test_jit_compatible_with_traced_lengths(rng):
     k_len = jnp.array([3, 7], jnp.int32)
     np.testing.assert_allclose(
         fn(q, k, v, k_len), _attention(q, k, v, key_lengths=k_len), rtol=1e-6)
+
+
+def test_an_eager_call_compiles_the_kernel_as_one_program(rng):
+    """Outside jit, a call runs as one program compiled per shape and options (about
+    sixty one-operation programs otherwise); inside jit the kernel is traced into the
+    caller's program, with the same numbers."""
+    q, k, v = _qkv(rng, t=13, s=19)
+    key_lengths = jnp.array([11, 19], jnp.int32)
+    call = functools.partial(attnjax.dot_product_attention, is_causal=True,
+                             key_lengths=key_lengths, implementation="chunked",
+                             block_sizes=(8, 8))
+    attnjax.dot_product_attention(q, k, v, is_causal=True, key_lengths=key_lengths)
+    lowered = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        eager = call(q, k, v)   # the dense call above compiled the arguments' checks
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(lowered) == 1
+    traced = jax.jit(lambda q, k, v: call(q, k, v))(q, k, v)
+    np.testing.assert_allclose(eager, traced, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(eager, _attention(q, k, v, is_causal=True,
+                                                 key_lengths=key_lengths), rtol=1e-5,
+                               atol=1e-6)

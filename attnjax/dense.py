@@ -33,7 +33,10 @@ def attend(
     if visible is not None:
         # Rows and columns that see nothing are kept out of every product with a zero
         # weight: a NaN or inf in padding must not reach a valid output or gradient.
-        rows, cols = jnp.any(visible, axis=1), jnp.any(visible, axis=0)
+        # (behind a barrier: XLA would evaluate them at compile time for a mask that is
+        # a constant of the program, seconds for a [512, 512] one)
+        seen = jax.lax.optimization_barrier(visible)
+        rows, cols = jnp.any(seen, axis=1), jnp.any(seen, axis=0)
         v = jnp.where(cols[:, None], v, 0)
     if score.align is None:
         # Scaling the [T, H] queries costs T·H multiplies instead of T·S on the logits.

@@ -163,18 +163,36 @@ def test_killed_and_interrupted_runs_resume_to_the_uninterrupted_metrics(tmp_pat
         assert _records(tmp_path / name) == whole, name
 
 
-@pytest.mark.parametrize("args, message", [
+# Mistakes found before training starts. A bad config is read in process (main's return
+# value and stderr, which train_toy.py exits with); a bad argument (argparse exits) and a
+# bad mesh (read after main has set up the compilation cache) by the real command.
+BAD_CONFIGS = [
     (["--set", "optim.lr=1"], "error: unknown key optim.lr; valid keys of optim are "),
     (["--config", "configs/none.yaml"], "error: cannot read config configs/none.yaml"),
     (["--set", "steps=-3"], "error: steps must be positive; got -3"),
     (["--set", "data.pack=true"], "error: data.pack=true needs model.kind=decoder_only"),
+    (["--coordinator", "127.0.0.1:1"], "error: --coordinator, --num-processes and "
+                                       "--process-id go together"),
+]
+BAD_COMMANDS = [
     (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
     (["--mesh", "gpus=2"], "error: --mesh expects axis=size pairs over ('data', 'model', 'seq')"),
     (["--mesh", "data=3"], "error: the mesh {'data': 3} needs 3 devices; there are"),
-    (["--coordinator", "127.0.0.1:1"], "error: --coordinator, --num-processes and "
-                                       "--process-id go together"),
-])
-def test_cli_bad_config_exits_2_with_one_line(tmp_path, args, message):
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_CONFIGS)
+def test_bad_config_exits_2_with_one_line(tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["--workdir", str(tmp_path / "w"), *args]) == 2
+    stderr = capsys.readouterr().err
+    assert message in stderr and "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("args, message", BAD_COMMANDS)
+def test_cli_bad_command_exits_2_with_one_line(tmp_path, args, message):
     result = subprocess.run([sys.executable, str(ROOT / "train_toy.py"), "--workdir",
                              str(tmp_path / "w"), *args], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)

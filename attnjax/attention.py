@@ -11,6 +11,10 @@ arithmetic of one block so, inside block loops that run over all heads at once.
 
 from __future__ import annotations
 
+import collections
+import threading
+import weakref
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
@@ -181,7 +185,7 @@ def dot_product_attention(
     else:
         bound = attention_mask.bind(shape, positions)
         compute = _per_head
-        if not _tracing(query, key, value, bound, score, options):
+        if _compiles(query, key, value, bound, score, options):
             compute = _compiled_per_head
         out, lse, weights = compute(name, query, key, value, bound, score, options)
     if shape.unbatched:
@@ -476,12 +480,45 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
 # once per shape and static options, rather than as the hundreds of one-operation
 # programs the kernel is made of: what a user calling it eagerly, or a flax module
 # outside jit, gets. Inside a transformation the kernel is traced into the caller's
-# program as it is.
+# program as it is. The functions a call carries (score_mod, an alignment, from_fn
+# masks) are part of what the program is compiled for: a call whose functions are new
+# (a lambda written in the call) runs operation by operation, as compiling for a
+# function used once would cost more; once the same functions come again, they compile.
 _compiled_per_head = jax.jit(_per_head, static_argnums=0)
+# The functions of recent calls, held weakly where they allow it (a lambda is kept alive
+# by nothing here, and a new one never matches a dead one).
+_RECENT_FUNCTIONS: collections.OrderedDict = collections.OrderedDict()
+_RECENT_LIMIT = 64
+_RECENT_LOCK = threading.Lock()
 
 
-def _tracing(*trees) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+def _weak(f):
+    try:
+        return weakref.ref(f)
+    except TypeError:
+        return f
+
+
+def _compiles(query, key, value, mask: Mask, score: Score, options: Options) -> bool:
+    """Whether this call runs as `_compiled_per_head` (see above)."""
+    if any(isinstance(x, jax.core.Tracer)
+           for x in jax.tree.leaves((query, key, value, mask, score, options))):
+        return False
+    functions = tuple(_weak(f) for f in (score.mod, score.align, *mask.functions())
+                      if f is not None)
+    if not functions:
+        return True
+    try:
+        hash(functions)
+    except TypeError:  # a callable object that is unhashable cannot be a static argument
+        return False
+    with _RECENT_LOCK:
+        seen = functions in _RECENT_FUNCTIONS
+        _RECENT_FUNCTIONS[functions] = None
+        _RECENT_FUNCTIONS.move_to_end(functions)
+        if len(_RECENT_FUNCTIONS) > _RECENT_LIMIT:
+            _RECENT_FUNCTIONS.popitem(last=False)
+    return seen
 
 
 def map_heads(fn, query, key, value, meta, *, rows_first: tuple[bool, ...]):

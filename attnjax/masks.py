@@ -646,6 +646,10 @@ class Mask:
         k_pos = lax.dynamic_slice_in_dim(self.k_positions, k_start, bk)[None, :]
         return Coords(self.example, self.head, q_idx, k_idx, q_pos, k_pos)
 
+    def functions(self) -> tuple[Callable, ...]:
+        """The user's functions in the rule tree (`from_fn`'s), in order."""
+        return tuple(_functions(self.rule))
+
     def key_side(self) -> list:
         """The arrays indexed by key — key positions, then the rules' key-side arrays —
         that travel with a key/value shard from device to device (ring attention)."""
@@ -663,6 +667,15 @@ class Mask:
 
     def classify(self, blocks: Blocks) -> Int[Array, "nq nk"]:
         return self.rule.classify(blocks)
+
+
+def _functions(rule: Rule) -> list:
+    out = [rule.fn] if isinstance(rule, FromFn) else []
+    for field in dataclasses.fields(rule):
+        child = getattr(rule, field.name)
+        if isinstance(child, Rule):
+            out += _functions(child)
+    return out
 
 
 def _key_arrays(rule: Rule) -> list:

@@ -159,8 +159,13 @@ def soft_cap(cap: float) -> ScoreMod:
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
             math.isfinite(cap) and cap > 0):
         raise ValueError(f"soft_cap needs a positive finite cap; got {cap!r}")
-    cap = float(cap)
+    return _soft_cap(float(cap))
 
+
+# One function per cap: a call that writes soft_cap(30.0) each time passes the same
+# score_mod, which an eager call then compiles for once (attnjax.attention).
+@functools.lru_cache(maxsize=64)
+def _soft_cap(cap: float) -> ScoreMod:
     def squash(score):
         return cap * jnp.tanh(score * (1.0 / cap))
 

@@ -669,22 +669,21 @@ class Mask:
         return self.rule.classify(blocks)
 
 
-def _functions(rule: Rule) -> list:
-    out = [rule.fn] if isinstance(rule, FromFn) else []
+def _rules(rule: Rule):
+    """The rules of a tree, each before its children."""
+    yield rule
     for field in dataclasses.fields(rule):
         child = getattr(rule, field.name)
         if isinstance(child, Rule):
-            out += _functions(child)
-    return out
+            yield from _rules(child)
+
+
+def _functions(rule: Rule) -> list:
+    return [r.fn for r in _rules(rule) if isinstance(r, FromFn)]
 
 
 def _key_arrays(rule: Rule) -> list:
-    out = [getattr(rule, name) for name in rule.key_fields]
-    for field in dataclasses.fields(rule):
-        child = getattr(rule, field.name)
-        if isinstance(child, Rule):
-            out += _key_arrays(child)
-    return out
+    return [getattr(r, name) for r in _rules(rule) for name in r.key_fields]
 
 
 def _with_key_arrays(rule: Rule, arrays) -> Rule:

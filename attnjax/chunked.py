@@ -531,10 +531,13 @@ def _kernel(plan: _Plan, mod, facts: _Facts):
     return attend
 
 
-def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate):
-    """The plan, the padded inputs (q scaled and heads first), the block table and the
-    converted score_mod."""
+def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
+             norms=None):
+    """The plan, the padded inputs (q scaled and heads first), the block table, the
+    converted score_mod, what it declares (`_Facts`) and its near-zero table or None
+    (norms: q's and k's `row_norms`, if already taken)."""
     b, t, kv_heads, g, _ = q.shape
+    given_q, given_k = q, k
     # keys and values [B, S, K, ·], or head-major [B, K, 1, S, ·] (ring attention)
     seq_axis = 3 if k.ndim == 5 else 1
     s = k.shape[seq_axis]
@@ -555,7 +558,9 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate):
                    jnp.int32(0), jnp.int32(0), jnp.zeros((plan.block_q, 1), jnp.int32),
                    jnp.zeros((1, plan.block_k), jnp.int32))
         mod, consts = jax.closure_convert(score.mod, *example)
-    return plan, q, k, v, bias, mask, table, mod, list(consts)
+    facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
+    near = _near(plan, facts, given_q, given_k, score.scale, norms)
+    return plan, q, k, v, bias, mask, table, mod, list(consts), facts, near
 
 
 def _rows_first(x, t: int):
@@ -618,11 +623,8 @@ def attend(
 
 def _attend(q, k, v, mask: Mask, score: Score, options: Options, norms=None):
     """`attend` for the heads of one pass (norms: their `row_norms`, if taken)."""
-    near_args = q, k, score.scale, norms
-    plan, q, k, v, bias, mask, table, mod, consts = _prepare(
-        q, k, v, mask, score, options.block_q, options.block_k, options.dropout_rate)
-    facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
-    near = _near(plan, facts, *near_args)
+    plan, q, k, v, bias, mask, table, mod, consts, facts, near = _prepare(
+        q, k, v, mask, score, options.block_q, options.block_k, options.dropout_rate, norms)
     out, lse = _kernel(plan, mod, facts)(q, k, v, bias, score.sinks, consts, mask,
                                          options.dropout_key, _visits(table, near),
                                          _visits(table, near, transpose=True))
@@ -638,11 +640,9 @@ def forward_with_lse(q, k, v, mask: Mask, score: Score, block_sizes=(None, None)
     log-sum-exp of the whole rows. For ring attention, which folds key/value shards in
     one at a time. rows_first=False: as the kernel holds them, heads first and padded
     to whole blocks, `[B, K, G, Tp, V]` and `[B, K, G, Tp]` (no copy)."""
-    near_args = q, k, score.scale
-    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
-                                                             *block_sizes, 0.0)
-    facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
-    rows = _visits(table, _near(plan, facts, *near_args))
+    plan, q, k, v, bias, mask, table, mod, consts, facts, near = _prepare(
+        q, k, v, mask, score, *block_sizes, 0.0)
+    rows = _visits(table, near)
     out, lse = _forward(plan, mod, q, k, v, mask, bias, None, consts, None, rows, facts)
     if not rows_first:
         return out, lse
@@ -659,14 +659,12 @@ def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
     gradients add up to the rows'. rows_first=False: out, lse, d_out and the returned
     d_q as `forward_with_lse(..., rows_first=False)` gives them, heads first and padded.
     """
-    near_args = q, k, score.scale
-    plan, q, k, v, bias, mask, table, mod, consts = _prepare(q, k, v, mask, score,
-                                                             *block_sizes, 0.0)
+    plan, q, k, v, bias, mask, table, mod, consts, facts, near = _prepare(
+        q, k, v, mask, score, *block_sizes, 0.0)
     # [B, K, G, Tp, ·]
     heads_first = lambda x: x if not rows_first else jnp.moveaxis(  # noqa: E731
         pad_axis(x, plan.padded_t, 1), 1, 3)
-    facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
-    cols = _visits(table, _near(plan, facts, *near_args), transpose=True)
+    cols = _visits(table, near, transpose=True)
     d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None, cols,
                                   heads_first(out), heads_first(lse), heads_first(d_out),
                                   None, facts)

@@ -468,12 +468,34 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
     if name == "chunked":  # its block loops run over all heads at once
         out, lse, weights = chunked.attend(grouped, key, value, *meta)
     else:
-        out, lse, weights = heads.over_heads(
-            dense.attend, (b, kv_heads, g), ("rows", "kv", "kv", "heads", "heads", "heads"),
-            ("rows", "rows", "heads"))(grouped, key, value, *meta)
+        parts = _dense_parts(b, t * s * n)
+        mapped = lambda size: heads.over_heads(  # noqa: E731
+            dense.attend, (size, kv_heads, g), ("rows", "kv", "kv", "heads", "heads", "heads"),
+            ("rows", "rows", "heads"))
+        out, lse, weights = heads.in_parts(mapped, b, parts)(grouped, key, value, *meta)
     # out [B, T, K, G, V], lse [B, T, K, G], weights [B, K, G, T, S] or None
     return (out.reshape(b, t, n, value.shape[-1]), lse.reshape(b, t, n),
             None if weights is None else weights.reshape(b, n, t, s))
+
+
+# On a CPU the dense kernel runs on parts of the batch whose logits (float32, all heads)
+# are about this many bytes: independent computations that XLA's CPU runtime runs side
+# by side on the cores, each on intermediates small enough to stay in cache. A causal
+# attention training step on a 2-core CPU against flax's (benchmarks/train_step.py,
+# functional form): at (B, T, N) = (32, 64, 4), 2 MiB of logits, 1.00x with the batch
+# whole, 1.05x in 2 parts, 1.12x in 4 (this size), 0.91x in 8; at (8, 512, 8), 64 MiB,
+# 1.06x whole, 1.39x in 4 parts, 1.47x in 8 (one example each).
+# Each part is traced and compiled on its own, so there are at most DENSE_PARTS_MAX.
+DENSE_PART_BYTES = 2**19
+DENSE_PARTS_MAX = 8
+
+
+def _dense_parts(batch: int, logits_per_example: int) -> int:
+    """How many parts of the batch the dense kernel runs on (see DENSE_PART_BYTES)."""
+    if jax.default_backend() != "cpu":
+        return 1
+    parts = batch * logits_per_example * 4 // DENSE_PART_BYTES
+    return max(1, min(batch, DENSE_PARTS_MAX, parts))
 
 
 # A call on concrete arrays (not inside jit, grad or vmap) runs as one program, compiled

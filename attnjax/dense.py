@@ -1,9 +1,11 @@
 """The dense kernel: one head, all T×S logits materialised.
 
 The reference kernel, and the only one that can return the weights or use a learned
-alignment function. It evaluates the Mask on the whole `[T, S]` grid and autodiff
-differentiates everything, score_mod and sinks included. The batched API
-(`attnjax.attention`) vmaps it over heads and batch.
+alignment function. It evaluates the Mask on the whole `[T, S]` grid. Plain scaled-dot
+attention (with or without a bias; no score_mod, sinks, alignment, dropout or returned
+weights) has its derivative written out, as FlashAttention's; autodiff differentiates
+everything else, score_mod and sinks included. The batched API (`attnjax.attention`)
+vmaps it over heads and batch.
 """
 
 import jax
@@ -30,6 +32,7 @@ def attend(
     at = mask.coords(0, t, 0, s)
     acc = _logits_dtype(q.dtype)
     visible = None if mask.is_everything else mask.visible(at)
+    rows = cols = None
     if visible is not None:
         # Rows and columns that see nothing are kept out of every product with a zero
         # weight: a NaN or inf in padding must not reach a valid output or gradient.
@@ -38,6 +41,11 @@ def attend(
         seen = jax.lax.optimization_barrier(visible)
         rows, cols = jnp.any(seen, axis=1), jnp.any(seen, axis=0)
         v = jnp.where(cols[:, None], v, 0)
+    if (score.align is None and score.mod is None and score.sinks is None
+            and options.dropout_rate == 0.0 and not options.return_weights):
+        out, lse = _plain(q * jnp.asarray(score.scale, q.dtype), k, v, score.bias,
+                          visible, rows, cols)
+        return out, lse, None
     if score.align is None:
         # Scaling the [T, H] queries costs T·H multiplies instead of T·S on the logits.
         q = q * jnp.asarray(score.scale, q.dtype)
@@ -85,12 +93,64 @@ def _seen_logits_jvp(primals, tangents):
     q, k, rows, cols = primals
     d_q, d_k = tangents[:2]
     q_seen, k_seen = jnp.where(rows[:, None], q, 0), jnp.where(cols[:, None], k, 0)
-    acc = _logits_dtype(q.dtype)
+    tangent = _logits_tangent(q_seen, k_seen, d_q, d_k, _logits_dtype(q.dtype))
+    return _seen_logits(q, k, rows, cols), tangent
+
+
+def _logits_tangent(q, k, d_q, d_k, acc):
+    """The tangent `[T, S]` of q·kᵀ."""
     if q.shape[0] * k.shape[0] <= _SMALL_GRID:
         # contract_last's tangent: its transpose takes no product over a leading axis
-        _, tangent = jax.jvp(lambda a, b: core.contract_last(a, b, acc), (q_seen, k_seen),
-                             (d_q, d_k))
+        _, tangent = jax.jvp(lambda a, b: core.contract_last(a, b, acc), (q, k), (d_q, d_k))
+        return tangent
+    return (jnp.einsum("TH,SH->TS", d_q, k, preferred_element_type=acc)
+            + jnp.einsum("TH,SH->TS", q, d_k, preferred_element_type=acc))
+
+
+@jax.custom_jvp
+def _plain(q, k, v, bias, visible, rows, cols):
+    """(out `[T, V]`, lse `[T]`) of softmax(q·kᵀ + bias) v over the visible entries, for
+    q already scaled and v with its hidden columns zeroed.
+
+    Its derivative is written so that reverse mode computes FlashAttention's backward
+    pass, dS = P ∘ (dP − rowsum(dO ∘ O) + d_lse): a row sum over `[T, V]` where
+    autodiff of the softmax takes one over `[T, S]`, and no more `[T, S]` arrays than
+    the weights. Forward mode and higher orders work too.
+    """
+    return _plain_forward(q, k, v, bias, visible)[0]
+
+
+def _plain_forward(q, k, v, bias, visible):
+    acc = _logits_dtype(q.dtype)
+    # [T, S]
+    logits = core.contract_last(q, k, acc)
+    if bias is not None:
+        logits = logits + bias.astype(acc)
+    weights, lse = core.softmax_and_lse(logits, visible)
+    return (core.mix_values(weights, v), lse), weights
+
+
+@_plain.defjvp
+def _plain_jvp(primals, tangents):
+    q, k, v, bias, visible, rows, cols = primals
+    d_q, d_k, d_v, d_bias = tangents[:4]
+    (out, lse), weights = _plain_forward(q, k, v, bias, visible)
+    acc = weights.dtype
+    if visible is not None:
+        # hidden rows and columns meet only zero weights; a NaN there must not make 0·NaN
+        q, k = jnp.where(rows[:, None], q, 0), jnp.where(cols[:, None], k, 0)
+    d_logits = _logits_tangent(q, k, d_q, d_k, acc)
+    if bias is not None:
+        d_logits = d_logits + d_bias.astype(acc)
+    # d softmax = P ∘ (dS − rowsum(P ∘ dS)), so d(P v) = (P ∘ dS) v − rowsum(P ∘ dS) ∘ O
+    # + P dv: written with O, its transpose sums dO ∘ O over [T, V], not dP ∘ P.
+    weighted = weights * d_logits
+    d_lse = jnp.sum(weighted, axis=-1)
+    mix = lambda w, x: core.contract_last(w.astype(v.dtype), x.T, acc)  # noqa: E731
+    if weights.size <= _SMALL_GRID:
+        d_mixed = mix(weighted, v) + jnp.einsum("TS,SV->TV", weights.astype(v.dtype), d_v,
+                                                preferred_element_type=acc)
     else:
-        tangent = (jnp.einsum("TH,SH->TS", d_q, k_seen, preferred_element_type=acc)
-                   + jnp.einsum("TH,SH->TS", q_seen, d_k, preferred_element_type=acc))
-    return _seen_logits(q, k, rows, cols), tangent
+        _, d_mixed = jax.jvp(mix, (weights, v), (weighted, d_v))
+    d_out = (d_mixed - d_lse[:, None] * out.astype(acc)).astype(out.dtype)
+    return (out, lse), (d_out, d_lse)

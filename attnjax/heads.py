@@ -9,7 +9,8 @@ Each argument of a mapped function has one of three layouts:
                                  heads first; a unit axis is shared by every head
 
 `group` lays `[B|1, N|1, ...]` arrays out as "heads"; `over_heads` maps a one-head
-function over B, K and G so that each head gets its own slice of every argument.
+function over B, K and G so that each head gets its own slice of every argument;
+`in_parts` runs a mapped function on consecutive parts of the batch.
 """
 
 import jax
@@ -65,3 +66,27 @@ def _map_level(fn, size: int, in_axes: list, out_axes: list):
                      for out, axis in zip(outs, out_axes))
 
     return mapped
+
+
+def in_parts(mapped, batch: int, parts: int):
+    """`mapped(size)(*args)`, a function mapped over a batch of `size` whose outputs are
+    laid out batch first, run on `parts` consecutive slices of the batch, one after
+    another in the program, and concatenated.
+
+    Each argument leaf whose leading axis is the batch is sliced; a unit (shared)
+    leading axis is passed whole. The parts are independent computations, which XLA's
+    CPU runtime runs side by side, each on intermediates `parts` times smaller.
+    """
+    if parts <= 1:
+        return mapped(batch)
+    bounds = [batch * i // parts for i in range(parts + 1)]
+
+    def run(*args):
+        outs = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            cut = lambda x, lo=lo, hi=hi: x[lo:hi] if x.shape[0] == batch else x  # noqa: E731
+            outs.append(mapped(hi - lo)(*jax.tree.map(cut, args)))
+        return tuple(None if first is None else jnp.concatenate([o[i] for o in outs])
+                     for i, first in enumerate(outs[0]))
+
+    return run

@@ -1,0 +1,144 @@
+"""The dense kernel's own derivative and its parts of the batch on a CPU.
+
+Plain scaled-dot attention (with or without a bias) differentiates through a written-out
+derivative (`dense._plain`); everything else through autodiff of the same forward pass.
+`return_weights=True` takes the autodiff path for the same numbers, so the two can be
+compared call for call.
+"""
+
+import importlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+import attnjax
+
+# the module (attnjax.attention is also the name of the one-head function)
+attention_module = importlib.import_module("attnjax.attention")
+
+B, T, S, N, K, H, V = 3, 6, 9, 4, 2, 4, 5
+
+
+def _inputs(seed, dtype, bias_shape):
+    keys = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (B, S, K, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (B, S, K, V), jnp.float32).astype(dtype)
+    bias = (None if bias_shape is None
+            else jax.random.normal(keys[3], bias_shape, jnp.float32).astype(dtype))
+    # random visibility, one row of example 0 seeing nothing, one key nobody sees
+    mask = jax.random.bernoulli(keys[4], 0.7, (B, 1, T, S))
+    mask = mask.at[0, 0, 1].set(False).at[1, 0, :, 2].set(False)
+    lse_weights = jax.random.normal(keys[5], (B, T, N), jnp.float32).astype(dtype)
+    return q, k, v, bias, mask, lse_weights
+
+
+def _loss(autodiff: bool, mask, lse_weights, **kwargs):
+    """A scalar of the output and the log-sum-exp; autodiff=True goes through the
+    autodiff path (asking for the weights) for the same numbers."""
+    def loss(q, k, v, bias):
+        result = attnjax.dot_product_attention(
+            q, k, v, bias=bias, mask=mask, return_residual=True, return_weights=autodiff,
+            implementation="dense", **kwargs)
+        out, lse = result[0], result[-1]
+        seen = lse > -1e29  # a row that sees nothing has lse MASKED
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(
+            jnp.where(seen, lse * lse_weights.astype(lse.dtype), 0).astype(jnp.float32))
+    return loss
+
+
+@pytest.mark.parametrize("bias_shape", [None, (B, N, T, S), (1, 1, 1, S), (B, 1, T, 1)])
+def test_written_derivative_equals_autodiff_float64(bias_shape):
+    q, k, v, bias, mask, lse_weights = _inputs(0, jnp.float64, bias_shape)
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    written = jax.value_and_grad(_loss(False, mask, lse_weights), argnums)(q, k, v, bias)
+    autodiff = jax.value_and_grad(_loss(True, mask, lse_weights), argnums)(q, k, v, bias)
+    chex.assert_trees_all_close(written, autodiff, rtol=1e-12, atol=1e-12)
+    # the key no query sees, and the row that sees nothing, get zero gradients
+    grads = written[1]
+    assert jnp.all(grads[1][1, 2] == 0) and jnp.all(grads[2][1, 2] == 0)
+    assert jnp.all(grads[0][0, 1] == 0)
+    assert jnp.any(grads[0][0, 0] != 0)
+
+
+def test_forward_mode_and_second_derivatives_equal_autodiff_float64():
+    q, k, v, bias, mask, lse_weights = _inputs(1, jnp.float64, (B, N, T, S))
+    tangents = tuple(jax.random.normal(jax.random.key(i + 10), x.shape, jnp.float64)
+                     for i, x in enumerate((q, k, v, bias)))
+
+    def jvp(autodiff):
+        loss = _loss(autodiff, mask, lse_weights)
+        return jax.jvp(loss, (q, k, v, bias), tangents)
+
+    chex.assert_trees_all_close(jvp(False), jvp(True), rtol=1e-12, atol=1e-12)
+    hessian_q = [jax.hessian(lambda q, a=a: _loss(a, mask, lse_weights)(q, k, v, bias))(q)
+                 for a in (False, True)]
+    chex.assert_trees_all_close(hessian_q[0], hessian_q[1], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_written_derivative_close_to_float64(dtype):
+    q, k, v, bias, mask, lse_weights = _inputs(2, dtype, (1, N, T, S))
+    grads = jax.grad(_loss(False, mask, lse_weights), (0, 1, 2, 3))(q, k, v, bias)
+    exact = jax.grad(_loss(True, mask, lse_weights.astype(jnp.float64)), (0, 1, 2, 3))(
+        *(x.astype(jnp.float64) for x in (q, k, v, bias)))
+    for got, want in zip(grads, exact):
+        assert got.dtype == dtype
+        scale = float(jnp.max(jnp.abs(want)))
+        tol = 1e-5 if dtype == jnp.float32 else 5e-2
+        assert float(jnp.max(jnp.abs(got.astype(jnp.float64) - want))) <= tol * scale
+
+
+def test_nan_in_hidden_rows_and_columns_reaches_no_gradient():
+    q, k, v, _, mask, lse_weights = _inputs(3, jnp.float32, None)
+    q_lengths, k_lengths = jnp.array([T, 4, 5]), jnp.array([S, 6, 7])
+    poison = lambda x, lengths: jnp.where(  # noqa: E731
+        (jnp.arange(x.shape[1])[None, :] >= lengths[:, None])[..., None, None], jnp.nan, x)
+    loss = _loss(False, mask, lse_weights, query_lengths=q_lengths, key_lengths=k_lengths)
+    clean = jax.grad(loss, (0, 1, 2))(q, k, v, None)
+    dirty = jax.grad(loss, (0, 1, 2))(poison(q, q_lengths), poison(k, k_lengths),
+                                      poison(v, k_lengths), None)
+    chex.assert_tree_all_finite(dirty)
+    chex.assert_trees_all_close(dirty, clean, rtol=1e-6, atol=1e-6)
+
+
+def _dots(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count("dot_general")
+
+
+def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
+    """Parts of the batch (here 3 of B=5, unequal) give the numbers of one part: every
+    per-example array (segment ids, lengths, bias, dropout keys) follows its example."""
+    b = 5
+    keys = jax.random.split(jax.random.key(4), 8)
+    q = jax.random.normal(keys[0], (b, T, N, H), jnp.float32)
+    k = jax.random.normal(keys[1], (b, S, K, H), jnp.float32)
+    v = jax.random.normal(keys[2], (b, S, K, V), jnp.float32)
+    bias = jax.random.normal(keys[3], (b, N, T, S), jnp.float32)
+    segments = jax.random.randint(keys[4], (b, S), 0, 2).sort(axis=-1)
+    mask = attnjax.masks.segments(segments[:, :T], segments)
+    k_lengths = jax.random.randint(keys[5], (b,), 1, S + 1)
+
+    def run(q, k, v, bias, dropout=0.0):
+        # (out, lse); dropout takes the autodiff path, no dropout the written derivative
+        return attnjax.dot_product_attention(
+            q, k, v, bias=bias, mask=mask, key_lengths=k_lengths, implementation="dense",
+            return_residual=True, dropout_rate=dropout,
+            dropout_rng=keys[6] if dropout > 0 else None)
+
+    def results():
+        grads = jax.grad(lambda *a: jnp.sum(run(*a)[0] ** 2), (0, 1, 2, 3))(q, k, v, bias)
+        return run(q, k, v, bias), run(q, k, v, bias, dropout=0.3), grads
+
+    whole = results()
+    assert _dots(lambda *a: run(*a)[0], q, k, v, bias) == 2
+    logits_bytes = b * N * T * S * 4
+    monkeypatch.setattr(attention_module, "DENSE_PART_BYTES", logits_bytes // 3)
+    assert _dots(lambda *a: run(*a)[0], q, k, v, bias) == 2 * 3
+    chex.assert_trees_all_close(results(), whole, rtol=1e-6, atol=1e-6)
+    # only a CPU runs in parts
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert _dots(lambda *a: run(*a)[0], q, k, v, bias) == 2
+    assert attention_module._dense_parts(b, T * S * N) == 1

@@ -44,8 +44,9 @@ def _loss(autodiff: bool, mask, lse_weights, **kwargs):
             implementation="dense", **kwargs)
         out, lse = result[0], result[-1]
         seen = lse > -1e29  # a row that sees nothing has lse MASKED
-        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(
-            jnp.where(seen, lse * lse_weights.astype(lse.dtype), 0).astype(jnp.float32))
+        acc = jnp.float64 if out.dtype == jnp.float64 else jnp.float32
+        return jnp.sum(out.astype(acc) ** 2) + jnp.sum(
+            jnp.where(seen, lse * lse_weights.astype(lse.dtype), 0).astype(acc))
     return loss
 
 
@@ -53,8 +54,9 @@ def _loss(autodiff: bool, mask, lse_weights, **kwargs):
 def test_written_derivative_equals_autodiff_float64(bias_shape):
     q, k, v, bias, mask, lse_weights = _inputs(0, jnp.float64, bias_shape)
     argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-    written = jax.value_and_grad(_loss(False, mask, lse_weights), argnums)(q, k, v, bias)
-    autodiff = jax.value_and_grad(_loss(True, mask, lse_weights), argnums)(q, k, v, bias)
+    written, autodiff = (
+        jax.jit(jax.value_and_grad(_loss(a, mask, lse_weights), argnums))(q, k, v, bias)
+        for a in (False, True))
     chex.assert_trees_all_close(written, autodiff, rtol=1e-12, atol=1e-12)
     # the key no query sees, and the row that sees nothing, get zero gradients
     grads = written[1]
@@ -68,21 +70,23 @@ def test_forward_mode_and_second_derivatives_equal_autodiff_float64():
     tangents = tuple(jax.random.normal(jax.random.key(i + 10), x.shape, jnp.float64)
                      for i, x in enumerate((q, k, v, bias)))
 
-    def jvp(autodiff):
-        loss = _loss(autodiff, mask, lse_weights)
-        return jax.jvp(loss, (q, k, v, bias), tangents)
+    @jax.jit
+    def jvp_and_hessian(q, k, v, bias):
+        return [(jax.jvp(_loss(a, mask, lse_weights), (q, k, v, bias), tangents),
+                 jax.hessian(lambda q, a=a: _loss(a, mask, lse_weights)(q, k, v, bias))(q))
+                for a in (False, True)]
 
-    chex.assert_trees_all_close(jvp(False), jvp(True), rtol=1e-12, atol=1e-12)
-    hessian_q = [jax.hessian(lambda q, a=a: _loss(a, mask, lse_weights)(q, k, v, bias))(q)
-                 for a in (False, True)]
-    chex.assert_trees_all_close(hessian_q[0], hessian_q[1], rtol=1e-10, atol=1e-10)
+    (jvp_written, hessian_written), (jvp_autodiff, hessian_autodiff) = jvp_and_hessian(
+        q, k, v, bias)
+    chex.assert_trees_all_close(jvp_written, jvp_autodiff, rtol=1e-12, atol=1e-12)
+    chex.assert_trees_all_close(hessian_written, hessian_autodiff, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_written_derivative_close_to_float64(dtype):
     q, k, v, bias, mask, lse_weights = _inputs(2, dtype, (1, N, T, S))
-    grads = jax.grad(_loss(False, mask, lse_weights), (0, 1, 2, 3))(q, k, v, bias)
-    exact = jax.grad(_loss(True, mask, lse_weights.astype(jnp.float64)), (0, 1, 2, 3))(
+    grads = jax.jit(jax.grad(_loss(False, mask, lse_weights), (0, 1, 2, 3)))(q, k, v, bias)
+    exact = jax.jit(jax.grad(_loss(True, mask, lse_weights.astype(jnp.float64)), (0, 1, 2, 3)))(
         *(x.astype(jnp.float64) for x in (q, k, v, bias)))
     for got, want in zip(grads, exact):
         assert got.dtype == dtype
@@ -97,9 +101,9 @@ def test_nan_in_hidden_rows_and_columns_reaches_no_gradient():
     poison = lambda x, lengths: jnp.where(  # noqa: E731
         (jnp.arange(x.shape[1])[None, :] >= lengths[:, None])[..., None, None], jnp.nan, x)
     loss = _loss(False, mask, lse_weights, query_lengths=q_lengths, key_lengths=k_lengths)
-    clean = jax.grad(loss, (0, 1, 2))(q, k, v, None)
-    dirty = jax.grad(loss, (0, 1, 2))(poison(q, q_lengths), poison(k, k_lengths),
-                                      poison(v, k_lengths), None)
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+    clean = grad(q, k, v, None)
+    dirty = grad(poison(q, q_lengths), poison(k, k_lengths), poison(v, k_lengths), None)
     chex.assert_tree_all_finite(dirty)
     chex.assert_trees_all_close(dirty, clean, rtol=1e-6, atol=1e-6)
 
@@ -128,9 +132,9 @@ def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
             return_residual=True, dropout_rate=dropout,
             dropout_rng=keys[6] if dropout > 0 else None)
 
-    def results():
-        grads = jax.grad(lambda *a: jnp.sum(run(*a)[0] ** 2), (0, 1, 2, 3))(q, k, v, bias)
-        return run(q, k, v, bias), run(q, k, v, bias, dropout=0.3), grads
+    def results():  # one program for the call, with and without dropout, and gradients
+        grads = jax.grad(lambda *a: jnp.sum(run(*a)[0] ** 2), (0, 1, 2, 3))
+        return jax.jit(lambda *a: (run(*a), run(*a, dropout=0.3), grads(*a)))(q, k, v, bias)
 
     whole = results()
     assert _dots(lambda *a: run(*a)[0], q, k, v, bias) == 2

@@ -468,7 +468,7 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
     if name == "chunked":  # its block loops run over all heads at once
         out, lse, weights = chunked.attend(grouped, key, value, *meta)
     else:
-        parts = _dense_parts(b, t * s * n)
+        parts = _dense_parts(b, t, s, n)
         mapped = lambda size: heads.over_heads(  # noqa: E731
             dense.attend, (size, kv_heads, g), ("rows", "kv", "kv", "heads", "heads", "heads"),
             ("rows", "rows", "heads"))
@@ -485,16 +485,21 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
 # functional form): at (B, T, N) = (32, 64, 4), 2 MiB of logits, 1.00x with the batch
 # whole, 1.05x in 2 parts, 1.12x in 4 (this size), 0.91x in 8; at (8, 512, 8), 64 MiB,
 # 1.06x whole, 1.39x in 4 parts, 1.47x in 8 (one example each).
-# Each part is traced and compiled on its own, so there are at most DENSE_PARTS_MAX.
+# Each part is traced and compiled on its own, so there are at most DENSE_PARTS_MAX;
+# and a head of fewer than DENSE_PART_MIN_GRID logits (a decoding step, T = 1, or a
+# toy task's 16-token sources) is too little work to share: `python train_toy.py`
+# (copy, evaluating 1,000 sources at a time) took 29.6 s with those in parts, 26.4 s
+# without, from an empty compilation cache.
 DENSE_PART_BYTES = 2**19
 DENSE_PARTS_MAX = 8
+DENSE_PART_MIN_GRID = 64 * 64
 
 
-def _dense_parts(batch: int, logits_per_example: int) -> int:
+def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:
     """How many parts of the batch the dense kernel runs on (see DENSE_PART_BYTES)."""
-    if jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu" or t * s < DENSE_PART_MIN_GRID:
         return 1
-    parts = batch * logits_per_example * 4 // DENSE_PART_BYTES
+    parts = batch * num_heads * t * s * 4 // DENSE_PART_BYTES
     return max(1, min(batch, DENSE_PARTS_MAX, parts))
 
 

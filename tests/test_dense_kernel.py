@@ -137,7 +137,9 @@ def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
         return jax.jit(lambda *a: (run(*a), run(*a, dropout=0.3), grads(*a)))(q, k, v, bias)
 
     whole = results()
+    # heads this small (T·S = 54 logits) run whole
     assert _dots(lambda *a: run(*a)[0], q, k, v, bias) == 2
+    monkeypatch.setattr(attention_module, "DENSE_PART_MIN_GRID", T * S)
     logits_bytes = b * N * T * S * 4
     monkeypatch.setattr(attention_module, "DENSE_PART_BYTES", logits_bytes // 3)
     assert _dots(lambda *a: run(*a)[0], q, k, v, bias) == 2 * 3
@@ -145,4 +147,4 @@ def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
     # only a CPU runs in parts
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert _dots(lambda *a: run(*a)[0], q, k, v, bias) == 2
-    assert attention_module._dense_parts(b, T * S * N) == 1
+    assert attention_module._dense_parts(b, T, S, N) == 1

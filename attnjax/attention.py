@@ -482,9 +482,10 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
 # are about this many bytes: independent computations that XLA's CPU runtime runs side
 # by side on the cores, each on intermediates small enough to stay in cache. A causal
 # attention training step on a 2-core CPU against flax's (benchmarks/train_step.py,
-# functional form): at (B, T, N) = (32, 64, 4), 2 MiB of logits, 1.00x with the batch
-# whole, 1.05x in 2 parts, 1.12x in 4 (this size), 0.91x in 8; at (8, 512, 8), 64 MiB,
-# 1.06x whole, 1.39x in 4 parts, 1.47x in 8 (one example each).
+# which prints the batch-whole ratio beside): at (B, T, N) = (32, 64, 4), 2 MiB of
+# logits, 1.10x in 4 parts against 1.00x whole (with this constant at 2 and 1 MiB and
+# 256 KiB, in 2 parts 1.05x, in 8 0.91x); at (8, 512, 8), 64 MiB, 1.61x in 8 parts (one
+# example each) against 1.14x whole (in 4 parts 1.39x).
 # Each part is traced and compiled on its own, so there are at most DENSE_PARTS_MAX;
 # and a head of fewer than DENSE_PART_MIN_GRID logits (a decoding step, T = 1, or a
 # toy task's 16-token sources) is too little work to share: `python train_toy.py`

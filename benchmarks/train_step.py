@@ -110,25 +110,15 @@ class FlaxAttention(fnn.MultiHeadDotProductAttention):
 
 
 @contextlib.contextmanager
-def _batch_whole():
-    """Steps traced inside run the dense kernel on the whole batch at once."""
-    original = attention_module.DENSE_PARTS_MAX
-    attention_module.DENSE_PARTS_MAX = 1
+def _set(module, name: str, value):
+    """module.name is value while inside: the models built (the attention class) or the
+    steps traced (the dense kernel's parts) then use it."""
+    original = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        attention_module.DENSE_PARTS_MAX = original
-
-
-@contextlib.contextmanager
-def _attention_class(cls):
-    """The models built while inside use `cls` for every attention layer."""
-    original = models.MultiHeadAttention
-    models.MultiHeadAttention = cls
-    try:
-        yield
-    finally:
-        models.MultiHeadAttention = original
+        setattr(module, name, original)
 
 
 def copy_model_step(attention_cls):
@@ -138,7 +128,7 @@ def copy_model_step(attention_cls):
     task = make_task(config.task)
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     optimizer = training.make_optimizer(config.optim, config.steps)
-    with _attention_class(attention_cls):
+    with _set(models, "MultiHeadAttention", attention_cls):
         model = training.make_model(config, task)
         state = training.init_state(model, optimizer, task, config.seed, mesh)
         batch = training.train_batch(task, config, 0, mesh)
@@ -175,7 +165,7 @@ def main() -> None:
                 step, step_args = attention_step(cls, shape, causal)
                 fns[name], temps[name], compile_s[name] = _compiled(step, *step_args)
             if in_parts:
-                with _batch_whole():
+                with _set(attention_module, "DENSE_PARTS_MAX", 1):  # batch whole
                     step, step_args = attention_step(nn.MultiHeadDotProductAttention, shape,
                                                      causal)
                     fns["whole"] = _compiled(step, *step_args)[0]

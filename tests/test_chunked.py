@@ -208,6 +208,37 @@ def test_block_classes_are_sound_and_skip_the_masked_blocks(t, s, is_causal, win
         np.testing.assert_array_equal(table == masks.FULL, whole)
 
 
+
+@pytest.mark.parametrize("t, s", [(6, 7), (5, 19), (21, 8)])
+def test_a_loop_over_one_block_visits_it_as_one_kind(t, s):
+    """Where the forward's rows (S ≤ block_k) or the backward's columns (T ≤ block_q)
+    have one block, full and partial blocks share one masked loop: with a block table
+    known only at run time (random mask, lengths) the outputs and gradients are dense's,
+    and a grid of one block has half the products of a grid of two by two blocks."""
+    b, n, k, h, v = 2, 2, 1, 4, 3
+    q, kk, vv, d_out = _inputs(t * s, b, t, s, n, k, h, v)
+    keys = jax.random.split(jax.random.key(s), 3)
+    bias = jax.random.normal(keys[0], (1, 1, 1, s), jnp.float32)
+    options = dict(is_causal=True,
+                   key_lengths=jax.random.randint(keys[1], (b,), 1, s + 1, jnp.int32),
+                   mask=jax.random.bernoulli(keys[2], 0.7, (b, 1, t, s)))
+    (dense_out, dense_grads), (out, grads) = _outputs_and_grads(
+        q, kk, vv, d_out, bias, options, (8, 8))
+    chex.assert_tree_all_finite((out, grads))
+    assert relative_error(out, dense_out) <= 2e-5
+    for name, g, g_dense in zip(("query", "key", "value", "bias"), grads, dense_grads):
+        assert relative_error(g, g_dense) <= 2e-5, name
+
+    def products(length):
+        x = jax.ShapeDtypeStruct((1, length, 1, h), jnp.float32)
+        m = jax.ShapeDtypeStruct((1, 1, length, length), jnp.bool_)
+        loss = lambda q, m: jnp.sum(attnjax.dot_product_attention(  # noqa: E731
+            q, q, q, mask=m, implementation="chunked", block_sizes=(8, 8)))
+        return str(jax.make_jaxpr(jax.grad(loss))(x, m)).count("dot_general")
+
+    assert 2 * products(8) == products(16)
+
+
 def test_chunked_forward_memory_is_under_a_sixteenth_of_dense_at_8192():
     shape = jax.ShapeDtypeStruct((1, 8192, 8, 64), jnp.float32)
 

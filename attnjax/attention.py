@@ -29,10 +29,17 @@ _KERNELS = {"dense": True, "chunked": False}
 IMPLEMENTATIONS = ("dense", "chunked", "cudnn")
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
-# implementation=None runs dense while T·S is at most this, chunked above it. Measured
-# with benchmarks/attention.py on a 2-core CPU: below it the dense weights fit in cache
-# and the blocked loop only adds overhead.
+# implementation=None runs dense while T·S is at most AUTO_CHUNKED_ABOVE, chunked above
+# it; and chunked already above AUTO_CHUNKED_GRID when the batch's float32 logits,
+# B·N·T·S·4 bytes, exceed AUTO_DENSE_BYTES. Measured on a 2-core CPU, attention alone,
+# forward and backward against dense (N=8, H=32 and 64, causal and not): at T=S=512 the
+# chunked kernel takes 0.87-1.01 of dense's speed at B=1 (8 MiB of logits), 0.98-1.09 at
+# B=2 (16 MiB), 1.21-1.62 at B=4 and 1.02-1.31 at B=8; at T=S=256 dense stays ahead to
+# B=16 (32 MiB: chunked 0.84-1.04), at T=S=128 to B=64 (0.79-0.98). Below them the
+# dense weights fit in cache and the blocked loop only adds overhead.
 AUTO_CHUNKED_ABOVE = 512 * 512
+AUTO_CHUNKED_GRID = 256 * 256
+AUTO_DENSE_BYTES = 16 * 2**20
 
 
 def dot_product_attention(
@@ -126,8 +133,9 @@ def dot_product_attention(
         "chunked" (block-sparse online softmax: O(T + S) memory forward and backward,
         blocks the mask hides skipped) or "cudnn" (delegates to
         `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only, bool arrays
-        and the jax.nn keywords only). None picks dense for T·S ≤ 512², or when weights
-        are asked for, and chunked above; "xla" (jax.nn's name) is the same as None,
+        and the jax.nn keywords only). None picks dense for T·S ≤ 256², for T·S ≤ 512²
+        while the batch's logits are at most 16 MiB (B·N·T·S ≤ 2²²), or when weights
+        are asked for, and chunked otherwise; "xla" (jax.nn's name) is the same as None,
         both kernels being plain XLA.
       block_sizes: `(block_q, block_k)` for the chunked implementation; chosen per
         shape when None. Lengths need not be multiples of them.
@@ -416,8 +424,8 @@ def _select_implementation(implementation, return_weights: bool, shape: Shape,
         )
     name = implementation
     if name is None:
-        small = shape.t * shape.s <= AUTO_CHUNKED_ABOVE
-        name = "dense" if return_weights or small or score.align is not None else "chunked"
+        name = ("dense" if return_weights or score.align is not None
+                else _auto_kernel(shape.b, shape.t, shape.s, shape.n))
     if return_weights and not _KERNELS.get(name, False):
         raise ValueError(
             f"return_weights=True needs implementation='dense' (the only one that "
@@ -427,6 +435,14 @@ def _select_implementation(implementation, return_weights: bool, shape: Shape,
         raise ValueError(f"a learned alignment (score_fn) runs on implementation='dense' "
                          f"only; got implementation={implementation!r}")
     return name
+
+
+def _auto_kernel(batch: int, t: int, s: int, num_heads: int) -> str:
+    """The kernel implementation=None runs where either can (see AUTO_CHUNKED_ABOVE)."""
+    grid = t * s
+    dense = grid <= AUTO_CHUNKED_ABOVE and (
+        grid <= AUTO_CHUNKED_GRID or batch * num_heads * grid * 4 <= AUTO_DENSE_BYTES)
+    return "dense" if dense else "chunked"
 
 
 def _options(shape: Shape, name: str, implementation, dropout_rate, dropout_rng,

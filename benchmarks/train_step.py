@@ -10,15 +10,17 @@ respect to the parameters and the inputs, under jax.jit, float32, at the shapes
 parameters (attnjax's tree is flax's). Then a whole training step (loss, gradients,
 Adam update) of the toy copy model, built once on attnjax's attention and once on
 flax's. Each pair is timed interleaved call by call (median after warm-up); the ratio
-is flax's time over attnjax's (> 1: attnjax faster); beside it, on a CPU where the dense
-kernel runs on parts of the batch, the same ratio with the batch whole, timed in the
-same interleaved run. XLA's temporary memory of each compiled step is printed too, and
+is flax's time over attnjax's (> 1: attnjax faster). Beside it, timed in the same
+interleaved run: where implementation=None picks the chunked kernel, the same ratio with
+the dense kernel; and on a CPU where the dense kernel runs on parts of the batch, the
+ratio with the dense kernel on the batch whole. XLA's temporary memory of each compiled step is printed too, and
 the seconds it took to lower and compile (the causal steps close over flax's constant
 causal mask, as a flax user's do).
 """
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -151,30 +153,39 @@ def main() -> None:
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, float32; "
           f"median of {args.repeats} interleaved steps")
     print()
-    print("| B, T, D, N | mask | attnjax ms | flax ms | flax / attnjax | flax / attnjax, batch "
-          "whole | temp MiB attnjax / flax | compile s attnjax / flax |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| B, T, D, N | mask | kernel | attnjax ms | flax ms | flax / attnjax | flax / "
+          "attnjax, dense | flax / attnjax, dense, batch whole | temp MiB attnjax / flax | "
+          "compile s attnjax / flax |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    dense_cls = functools.partial(nn.MultiHeadDotProductAttention, implementation="dense")
     for shape in [] if args.only_model else SHAPES:
         b, t, _, n = shape
-        # the dense kernel's parts of the batch on a CPU, and the same step without them
-        in_parts = attention_module._dense_parts(b, t, t, n) > 1
+        kernel = attention_module._auto_kernel(b, t, t, n)
+        # the dense kernel where the chunked one is picked for a grid dense can take (at
+        # T = 4096 the dense kernel is what flax runs); its parts of the batch on a CPU,
+        # and the same step without them
+        peers = {"dense": kernel == "chunked" and t * t <= attention_module.AUTO_CHUNKED_ABOVE,
+                 "whole": attention_module._dense_parts(b, t, t, n) > 1}
         for causal in (True, False):
             fns, temps, compile_s = {}, {}, {}
             for name, cls in (("attnjax", nn.MultiHeadDotProductAttention),
                               ("flax", fnn.MultiHeadDotProductAttention)):
                 step, step_args = attention_step(cls, shape, causal)
                 fns[name], temps[name], compile_s[name] = _compiled(step, *step_args)
-            if in_parts:
+            dense_step = lambda: _compiled(  # noqa: E731
+                attention_step(dense_cls, shape, causal)[0], *step_args)[0]
+            if peers["dense"]:
+                fns["dense"] = dense_step()
+            if peers["whole"]:
                 with _set(attention_module, "DENSE_PARTS_MAX", 1):  # batch whole
-                    step, step_args = attention_step(nn.MultiHeadDotProductAttention, shape,
-                                                     causal)
-                    fns["whole"] = _compiled(step, *step_args)[0]
+                    fns["whole"] = dense_step()
             repeats = args.repeats if shape[1] < 4096 else max(3, args.repeats // 4)
             times = median_times(fns, step_args, repeats=repeats, warmup=2)
-            whole = f"{times['flax'] / times['whole']:.2f}" if in_parts else "—"
+            ratio = lambda name: (  # noqa: E731
+                f"{times['flax'] / times[name]:.2f}" if name in fns else "—")
             print(f"| {', '.join(map(str, shape))} | {'causal' if causal else 'none'} | "
-                  f"{times['attnjax'] * 1e3:.2f} | {times['flax'] * 1e3:.2f} | "
-                  f"{times['flax'] / times['attnjax']:.2f} | {whole} | "
+                  f"{kernel} | {times['attnjax'] * 1e3:.2f} | {times['flax'] * 1e3:.2f} | "
+                  f"{ratio('attnjax')} | {ratio('dense')} | {ratio('whole')} | "
                   f"{temps['attnjax'] / 2**20:.1f} / {temps['flax'] / 2**20:.1f} | "
                   f"{compile_s['attnjax']:.2f} / {compile_s['flax']:.2f} |")
     print()

@@ -294,3 +294,23 @@ def test_eager_calls_compile_for_a_score_mod_once_it_comes_again(rng):
         q, k, v, scale=0.5 * H ** -0.5), rtol=1e-5, atol=1e-6)
     assert scores.soft_cap(30.0) is scores.soft_cap(30.0) and (
         scores.soft_cap(30.0) is not scores.soft_cap(20.0))
+
+
+@pytest.mark.parametrize("b, t, n, chosen", [
+    (32, 64, 4, "dense"),       # a toy task's batch
+    (64, 256, 8, "dense"),      # T·S = 256²: dense whatever the batch
+    (2, 512, 8, "dense"),       # 512², 16 MiB of logits: dense
+    (4, 512, 8, "chunked"),     # 512², 32 MiB: chunked
+    (1, 320, 64, "chunked"),    # between 256² and 512², 25 MiB: chunked
+    (1, 640, 1, "chunked"),     # above 512²: chunked whatever the batch
+])
+def test_implementation_none_picks_by_grid_and_batch(b, t, n, chosen):
+    """implementation=None traces the same program as the kernel its rule picks (the
+    rule by the grid T·S and the batch's logits, B·N·T·S float32 values)."""
+    q = jax.ShapeDtypeStruct((b, t, n, 8), jnp.float32)
+    program = lambda implementation: str(jax.make_jaxpr(  # noqa: E731
+        lambda q: attnjax.dot_product_attention(q, q, q, is_causal=True,
+                                                implementation=implementation))(q))
+    other = {"dense": "chunked", "chunked": "dense"}[chosen]
+    assert program(None) == program(chosen)
+    assert program(None) != program(other)

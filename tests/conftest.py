@@ -29,6 +29,10 @@ os.environ["XLA_FLAGS"] = " ".join(
      "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
      "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"]
 ).strip()
+# The training command keeps the memory it frees (attnjax.toy.cli.keep_freed_memory);
+# the suite's processes, the xdist workers above all, return it, as their memory is
+# what the suite's budget counts.
+os.environ["ATTNJAX_KEEP_FREED_MEMORY"] = "0"
 # One compilation cache for the whole run, made by the first process (xdist's controller)
 # and inherited by its workers and every command-line run they start: the same train
 # step compiles once, not once per subprocess. Every program goes in, however small:

@@ -4,6 +4,7 @@ the run, and the command line exits 2 on a bad config."""
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -179,6 +180,57 @@ BAD_COMMANDS = [
     (["--mesh", "gpus=2"], "error: --mesh expects axis=size pairs over ('data', 'model', 'seq')"),
     (["--mesh", "data=3"], "error: the mesh {'data': 3} needs 3 devices; there are"),
 ]
+
+
+_MALLOC_PROBE = """
+import ctypes
+from attnjax.toy import cli
+
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+
+def allocate_and_free():
+    # (was the 64 MiB block mapped on its own, did the heap keep it once freed)
+    start = libc.mallinfo2()
+    block = libc.malloc(64 << 20)
+    held = libc.mallinfo2()
+    libc.free(block)
+    end = libc.mallinfo2()
+    return held.hblkhd - start.hblkhd >= 64 << 20, end.fordblks - start.fordblks >= 48 << 20
+
+before = allocate_and_free()
+kept = cli.keep_freed_memory()
+print(before, kept, allocate_and_free())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
+@pytest.mark.parametrize("setting, expected", [(None, "(True, False) True (False, True)"),
+                                               ("0", "(True, False) False (True, False)")])
+def test_the_command_keeps_the_memory_it_frees(setting, expected):
+    """After keep_freed_memory, a 64 MiB block comes from the heap, not mapped on its
+    own, and stays in the process once freed; ATTNJAX_KEEP_FREED_MEMORY=0 leaves glibc
+    mapping it and giving it back."""
+    env = {k: v for k, v in os.environ.items() if k != "ATTNJAX_KEEP_FREED_MEMORY"}
+    if setting is not None:
+        env["ATTNJAX_KEEP_FREED_MEMORY"] = setting
+    result = subprocess.run([sys.executable, "-c", _MALLOC_PROBE], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == expected
+
+
+def test_the_command_sets_the_allocator_before_anything_else(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli, "keep_freed_memory", lambda: calls.append("kept"))
+    assert cli.main(["--workdir", str(tmp_path / "w"), "--set", "steps=-3"]) == 2
+    assert calls == ["kept"]
 
 
 @pytest.mark.parametrize("args, message", BAD_CONFIGS)

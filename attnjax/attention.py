@@ -32,14 +32,15 @@ CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 # implementation=None runs dense while T·S is at most AUTO_CHUNKED_ABOVE, chunked above
 # it; and chunked already above AUTO_CHUNKED_GRID when the batch's float32 logits,
 # B·N·T·S·4 bytes, exceed AUTO_DENSE_BYTES. Measured on a 2-core CPU, attention alone,
-# forward and backward against dense (N=8, H=32 and 64, causal and not): at T=S=512 the
-# chunked kernel takes 0.87-1.01 of dense's speed at B=1 (8 MiB of logits), 0.98-1.09 at
-# B=2 (16 MiB), 1.21-1.62 at B=4 and 1.02-1.31 at B=8; at T=S=256 dense stays ahead to
-# B=16 (32 MiB: chunked 0.84-1.04), at T=S=128 to B=64 (0.79-0.98). Below them the
-# dense weights fit in cache and the blocked loop only adds overhead.
+# forward and backward, each kernel timed in runs of its own (N=8, H=32 or 64, causal
+# and not), the chunked kernel against dense: at T=S=512, 0.96-1.03 at B=1 (8 MiB of
+# logits), 1.03-1.19 at B=2, 1.34-2.34 at B=4; at T=S=384, 1.01-1.06 at B=2, H=64
+# (9 MiB); at T=S=256 dense stays ahead to B=16 (32 MiB: 0.82-1.08), at T=S=128 to
+# B=64 (0.82-1.01). Below them the dense weights fit in cache and the blocked loop only
+# adds overhead.
 AUTO_CHUNKED_ABOVE = 512 * 512
 AUTO_CHUNKED_GRID = 256 * 256
-AUTO_DENSE_BYTES = 16 * 2**20
+AUTO_DENSE_BYTES = 8 * 2**20
 
 
 def dot_product_attention(
@@ -134,7 +135,7 @@ def dot_product_attention(
         blocks the mask hides skipped) or "cudnn" (delegates to
         `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only, bool arrays
         and the jax.nn keywords only). None picks dense for T·S ≤ 256², for T·S ≤ 512²
-        while the batch's logits are at most 16 MiB (B·N·T·S ≤ 2²²), or when weights
+        while the batch's logits are at most 8 MiB (B·N·T·S ≤ 2²¹), or when weights
         are asked for, and chunked otherwise; "xla" (jax.nn's name) is the same as None,
         both kernels being plain XLA.
       block_sizes: `(block_q, block_k)` for the chunked implementation; chosen per

@@ -299,9 +299,9 @@ def test_eager_calls_compile_for_a_score_mod_once_it_comes_again(rng):
 @pytest.mark.parametrize("b, t, n, chosen", [
     (32, 64, 4, "dense"),       # a toy task's batch
     (64, 256, 8, "dense"),      # T·S = 256²: dense whatever the batch
-    (2, 512, 8, "dense"),       # 512², 16 MiB of logits: dense
-    (4, 512, 8, "chunked"),     # 512², 32 MiB: chunked
-    (1, 320, 64, "chunked"),    # between 256² and 512², 25 MiB: chunked
+    (1, 512, 8, "dense"),       # 512², 8 MiB of logits: dense
+    (2, 512, 8, "chunked"),     # 512², 16 MiB: chunked
+    (1, 320, 32, "chunked"),    # between 256² and 512², 12.5 MiB: chunked
     (1, 640, 1, "chunked"),     # above 512²: chunked whatever the batch
 ])
 def test_implementation_none_picks_by_grid_and_batch(b, t, n, chosen):

@@ -226,7 +226,7 @@ def test_the_command_keeps_the_memory_it_frees(setting, expected):
     assert result.stdout.strip() == expected
 
 
-def test_the_command_sets_the_allocator_before_anything_else(tmp_path, monkeypatch):
+def test_the_command_sets_up_the_allocator(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(cli, "keep_freed_memory", lambda: calls.append("kept"))
     assert cli.main(["--workdir", str(tmp_path / "w"), "--set", "steps=-3"]) == 2

@@ -528,7 +528,7 @@ def keep_freed_memory() -> bool:
     XLA's CPU backend allocates each step's temporaries afresh. glibc maps blocks past
     its threshold (128 KiB, rising with use) straight from the kernel and unmaps them on
     free, so every step pays to fault zeroed pages in again: the default copy run took
-    22.0 s warm, 17.5 s with freed memory kept (and ~0.2 GB more resident), and a causal
+    23.0 s warm, 18.7 s with freed memory kept (and ~0.2 GB more resident), and a causal
     attention forward pass at B=8, T=256, N=8 jumped between 4 and 13 ms. This is what
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824 in the environment does, set
     here for the command's own process; ATTNJAX_KEEP_FREED_MEMORY=0 leaves glibc's

@@ -11,6 +11,7 @@ import sys
 
 import chex
 import flax.linen as flax_nn
+from flax import errors as flax_errors
 import jax
 import jax.numpy as jnp
 import jaxtyping
@@ -265,7 +266,7 @@ def test_inputs_kv_is_deprecated_as_in_flax_and_means_keys_and_values(rng):
     with pytest.warns(DeprecationWarning, match="inputs_kv"):
         got = _jit(module.apply, {"params": params}, x, inputs_kv=y)
     np.testing.assert_allclose(got, _jit(module.apply, {"params": params}, x, y, y), rtol=1e-6)
-    with pytest.raises(ValueError, match="inputs_kv must be None when inputs_k or inputs_v"):
+    with pytest.raises(ValueError, match="If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None"):
         _jit(module.apply, {"params": params}, x, y, inputs_kv=y)
 
 
@@ -273,12 +274,26 @@ def test_inputs_v_without_inputs_k_is_flax_s_error(rng):
     x, y = _x(jax.random.fold_in(rng, 1), B1, T, D), _x(jax.random.fold_in(rng, 2), B1, S, D)
     module = nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=QKV)
     params = _jit(module.init, rng, x, y)["params"]
-    with pytest.raises(ValueError, match="inputs_k cannot be None if inputs_v is given"):
+    with pytest.raises(ValueError, match="`inputs_k` cannot be None if `inputs_v` is not None"):
         _jit(module.apply, {"params": params}, x, inputs_v=y)
     # flax's warning for a square inputs_v that was probably meant as the mask
     square = _x(rng, B1, S, S)
     with pytest.warns(DeprecationWarning, match="may have intended to pass it to the `mask`"):
         nn.MultiHeadDotProductAttention(num_heads=1).init(rng, square, square, square)
+
+
+def test_a_mask_passed_as_inputs_v_fails_as_in_flax(rng):
+    """flax's positional mask (before flax 0.7.4) lands in inputs_v: flax's warning,
+    then flax's error for the value projection's parameter shape, which is also a
+    ValueError naming inputs_v."""
+    x = _x(rng, 1, S, 1)
+    module = nn.MultiHeadDotProductAttention(num_heads=1, kernel_init=jax.nn.initializers.ones)
+    variables = module.init(rng, x, x)
+    mask = flax_nn.make_causal_mask(jnp.ones((1, S)))
+    with pytest.warns(DeprecationWarning, match="the function signature of "
+                      "MultiHeadDotProductAttention's `__call__` method has changed"):
+        with pytest.raises(flax_errors.ScopeParamShapeError, match="inputs_v has 7 features"):
+            module.apply(variables, x, x, mask)
 
 
 def test_dtype_none_promotes_inputs_and_parameters_as_flax(rng):
@@ -414,6 +429,39 @@ def test_attention_fn_is_called_with_flax_s_keywords_filtered_by_its_signature(r
                             mutable=["intermediates"])
     chex.assert_trees_all_close(got, expected, rtol=1e-6)
     assert nn.MultiHeadDotProductAttention(num_heads=N).attention_fn is None
+
+
+@pytest.mark.parametrize("force_fp32", [True, False])
+def test_force_fp32_for_softmax_sows_weights_in_flax_s_dtype(rng, force_fp32):
+    x = _x(rng, B1, T, D)
+    theirs, ours = _pair(num_heads=N, qkv_features=QKV, dtype=jnp.bfloat16,
+                         force_fp32_for_softmax=force_fp32)
+    params = _perturbed(_flax_init(theirs, rng, x)["params"], rng)
+    _, expected = _flax_apply(theirs, {"params": params}, x, sow_weights=True,
+                              mutable=["intermediates"])
+    _, got = _jit(ours.apply, {"params": params}, x, sow_weights=True,
+                  mutable=["intermediates"])
+    expected, got = (v["intermediates"]["attention_weights"][0] for v in (expected, got))
+    assert got.dtype == expected.dtype == (jnp.float32 if force_fp32 else jnp.bfloat16)
+    np.testing.assert_allclose(got.astype(jnp.float32), expected.astype(jnp.float32),
+                               atol=2e-2)
+
+
+def test_complex_inputs_run_in_flax_s_attention(rng):
+    """attnjax's kernels are real: complex inputs (which flax takes) run flax's own
+    attention, with flax's numbers; with an attnjax field they are an error."""
+    x = lax.complex(_x(jax.random.fold_in(rng, 1), B1, T, D),
+                    _x(jax.random.fold_in(rng, 2), B1, T, D))
+    theirs, ours = _pair(num_heads=N, qkv_features=QKV)
+    params = _perturbed(_flax_init(theirs, rng, x)["params"], rng)
+    expected = _flax_apply(theirs, {"params": params}, x)
+    got = _jit(ours.apply, {"params": params}, x)
+    assert got.dtype == expected.dtype == jnp.complex64
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    causal = nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=QKV, is_causal=True)
+    with pytest.raises(ValueError, match=r"complex inputs \(complex64\) run in flax's "
+                                         r"attention instead of attnjax's engine.*is_causal"):
+        causal.apply({"params": params}, x)
 
 
 def test_force_fp32_for_softmax_is_accepted(rng):

@@ -15,6 +15,7 @@ from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import make_task
 from attnjax.toy import train as training
 from attnjax.toy.config import load_config
+from tests.numerics import as_users_run
 
 B, T, S, D, DKV = 3, 5, 7, 12, 10
 ATOL = 1e-5
@@ -127,6 +128,25 @@ def test_decode_step_by_step_equals_full_causal_and_flax(inputs):
               _call(ours, x[:, 3:], decode=True, is_causal=True)]
     np.testing.assert_allclose(jnp.concatenate(chunks, 1), full, atol=ATOL)
 
+
+
+def test_complex_inputs_run_in_flax_s_attention():
+    """attnjax's kernels are real: complex inputs run flax's own attention, with flax's
+    numbers; is_causal is passed to it."""
+    x = jax.lax.complex(_normal(B, T, D), _normal(B, T, D))
+    theirs, ours = _pair(3, num_heads=4, in_features=D)
+    causal = anx.MultiHeadAttention(rngs=nnx.Rngs(3), decode=False, num_heads=4,
+                                    in_features=D, is_causal=True)
+    with as_users_run():  # flax promotes the float32 parameters implicitly
+        expected = _call(theirs, x, deterministic=True)
+        got = _call(ours, x, deterministic=True)
+        expected_causal = _call(theirs, x, mask=nnx.make_causal_mask(jnp.ones((B, T))),
+                                deterministic=True)
+        got_causal = _call(causal, x, deterministic=True)
+    assert got.dtype == expected.dtype == jnp.complex64
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=ATOL)
+    np.testing.assert_allclose(got_causal, expected_causal, rtol=1e-5, atol=ATOL)
+    assert not np.allclose(got_causal, got)
 
 def test_flax_errors():
     _, ours = _pair(0, num_heads=2, in_features=D)

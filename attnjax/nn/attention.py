@@ -19,6 +19,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+from flax import errors as flax_errors
 import jax.numpy as jnp
 from jax import lax
 
@@ -75,6 +76,14 @@ PROJECTED_KEY_VALUE = ("projected_key", "projected_value")
 _PROJECTED = {"query": "inputs_q", "key": "inputs_k", "value": "inputs_v", "out": "the heads"}
 
 
+class _InputWidthError(ValueError, flax_errors.ScopeParamShapeError):
+    """A ValueError that names the input whose width the parameters do not take, and the
+    error flax raises there (a parameter of another shape), for code that catches that."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+
+
 def _check_input_width(name: str, x, kernel, fan_in_axes: int) -> None:
     """An input whose width does not match parameters that exist is named as the mistake
     (flax would blame the parameter's shape)."""
@@ -84,7 +93,7 @@ def _check_input_width(name: str, x, kernel, fan_in_axes: int) -> None:
         features = ("features" if fan_in_axes == 1 else
                     f"as its last {fan_in_axes} axes")
         show = (lambda d: str(d[0])) if fan_in_axes == 1 else _checks.shape_str  # noqa: E731
-        raise ValueError(
+        raise _InputWidthError(
             f"{given} has {show(got)} {features}; the parameters of {name!r} take "
             f"{show(width)} (kernel {_checks.shape_str(kernel.shape)}). Pass {given} with "
             f"{show(width)}, or init the module on inputs with {show(got)}")
@@ -112,7 +121,8 @@ class MultiHeadDotProductAttention(nn.Module):
     attn_weights_value_einsum=...)` filtered by its signature, plus module=self with
     sow_weights; attnjax's own fields below and attnjax.Mask masks are then errors.
     force_fp32_for_softmax is accepted: attnjax's softmax always runs in float32 for
-    half-precision inputs.
+    half-precision inputs; with it, as in flax, sown weights are float32 whatever
+    dtype is (they carry the precision of dtype's weights).
 
     attnjax's own: num_kv_heads (K < N: grouped-query, 1: multi-query attention),
     is_causal (bottom-right aligned) and window (both read positions), score_mod
@@ -240,12 +250,19 @@ class MultiHeadDotProductAttention(nn.Module):
             if dropout_rng is None:
                 dropout_rng = self.make_rng("dropout")
 
-        if self.attention_fn is None and not self._einsum_classes():
+        # attnjax's kernels are real; complex inputs run in flax's attention, as in flax
+        complex_inputs = jnp.issubdtype(dtype, jnp.complexfloating)
+        if self.attention_fn is None and not self._einsum_classes() and not complex_inputs:
             heads = self._engine(query, key, value, mask, cached, dropout_rate, dropout_rng,
                                  sow_weights, dtype, attention_options)
         else:
+            replaced_by = (f"complex inputs ({jnp.dtype(dtype).name}) run in flax's attention "
+                           "instead of" if complex_inputs and self.attention_fn is None else
+                           "attention_fn and qk_attn_weights_einsum_cls/"
+                           "attn_weights_value_einsum_cls replace")
             heads = self._flax_attention(query, key, value, mask, cached, dropout_rate,
-                                         dropout_rng, sow_weights, attention_options)
+                                         dropout_rng, sow_weights, attention_options,
+                                         replaced_by)
         # [batch..., T, F]
         return self._projection(
             shapes["out"], dot_general=self.out_dot_general,
@@ -293,16 +310,16 @@ class MultiHeadDotProductAttention(nn.Module):
             implementation=self.implementation, precision=self.precision,
             attention_options=attention_options)
         if sow_weights:
+            if self.force_fp32_for_softmax and dtype != jnp.float32:
+                weights = weights.astype(jnp.float32)  # flax's weights are float32 then
             self.sow("intermediates", "attention_weights", weights)
         return heads
 
     def _flax_attention(self, query, key, value, mask, cached, dropout_rate, dropout_rng,
-                        sow_weights, attention_options):
-        """flax's attention call: attention_fn (or flax's own, for the einsum classes)
-        with flax's keywords, filtered by its signature."""
-        check_flax_signature(self, _ENGINE_FIELDS, attention_options, mask,
-                             "attention_fn and qk_attn_weights_einsum_cls/"
-                             "attn_weights_value_einsum_cls replace")
+                        sow_weights, attention_options, replaced_by: str):
+        """flax's attention call: attention_fn (or flax's own, for the einsum classes and
+        complex inputs) with flax's keywords, filtered by its signature."""
+        check_flax_signature(self, _ENGINE_FIELDS, attention_options, mask, replaced_by)
         if cached is not None:
             mask = nn.combine_masks(mask, kv_cache.filled_slots(cached, query.shape[:-3]))
         attention_fn = self.attention_fn or nn.dot_product_attention
@@ -358,25 +375,30 @@ def _inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
     if inputs_kv is not None:
         if inputs_k is not None or inputs_v is not None:
             raise ValueError(
-                "inputs_kv must be None when inputs_k or inputs_v is given (flax's rule; "
-                "inputs_kv is deprecated: pass inputs_k, and inputs_v if it differs); got "
-                f"inputs_kv and {'inputs_k' if inputs_k is not None else 'inputs_v'}")
+                "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None "
+                "(flax's rule; inputs_kv is deprecated: pass inputs_k, and inputs_v if it "
+                f"differs); got inputs_kv and {'inputs_k' if inputs_k is not None else 'inputs_v'}")
         warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v "
                       "instead. See https://github.com/google/flax/discussions/3389 for "
                       "more information.", DeprecationWarning, stacklevel=3)
         inputs_k = inputs_v = inputs_kv
     elif inputs_k is None:
         if inputs_v is not None:
-            raise ValueError("inputs_k cannot be None if inputs_v is given (flax's rule): "
-                             "pass the keys as inputs_k, or inputs_k alone for keys = "
-                             "values; got inputs_v only")
+            raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None "
+                             "(flax's rule): pass the keys as inputs_k, or inputs_k alone "
+                             "for keys = values; got inputs_v only")
         inputs_k = inputs_q
     elif inputs_v is not None and inputs_v.shape[-1] == inputs_v.shape[-2]:
         warnings.warn(
             f"You are passing an array of shape {inputs_v.shape} to the `inputs_v` arg, "
-            "when you may have intended to pass it to the `mask` arg (flax's positional "
-            "mask before 0.7.4). Use the kwarg `mask` instead.", DeprecationWarning,
-            stacklevel=3)
+            "when you may have intended to pass it to the `mask` arg. As of Flax version "
+            "0.7.4, the function signature of MultiHeadDotProductAttention's `__call__` "
+            "method has changed to `__call__(inputs_q, inputs_k=None, inputs_v=None, *, "
+            "inputs_kv=None, mask=None, deterministic=None)`. Use the kwarg `mask` "
+            "instead.", DeprecationWarning, stacklevel=3)
+        # flax's old positional mask: left to fail where flax's does, in the value
+        # projection's parameter shape or in the attention's shapes
+        return tuple(jnp.asarray(x) for x in (inputs_q, inputs_k, inputs_v))
     inputs_v = inputs_k if inputs_v is None else inputs_v
     inputs = [jnp.asarray(x) for x in (inputs_q, inputs_k, inputs_v)]
     for name, x in zip(("inputs_q", "inputs_k", "inputs_v"), inputs):

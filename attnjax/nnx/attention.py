@@ -254,13 +254,18 @@ class MultiHeadAttention(nnx.Module):
                                      "keep_rngs=False.")
                 dropout_rate, dropout_rng = self.dropout_rate, rngs()
 
-        if self.attention_fn is None:
+        # attnjax's kernels are real; complex inputs run in flax's attention, as in flax
+        complex_inputs = jnp.issubdtype(query.dtype, jnp.complexfloating)
+        if self.attention_fn is None and not complex_inputs:
             heads = self._engine(query, key, value, mask, cached, is_causal, dropout_rate,
                                  dropout_rng, sow_weights, attention_options)
         else:
+            replaced_by = (f"complex inputs ({query.dtype.name}) run in flax's attention "
+                           "instead of" if self.attention_fn is None else
+                           "attention_fn replaces")
             heads = self._flax_attention(query, key, value, mask, cached, is_causal,
                                          dropout_rate, dropout_rng, sow_weights,
-                                         attention_options)
+                                         attention_options, replaced_by)
         # [batch..., T, F]
         return self.out(heads, out_sharding=out_sharding)
 
@@ -311,13 +316,12 @@ class MultiHeadAttention(nnx.Module):
         return heads
 
     def _flax_attention(self, query, key, value, mask, cached, is_causal, dropout_rate,
-                        dropout_rng, sow_weights, attention_options):
-        """attention_fn called as flax.nnx calls it."""
-        check_flax_signature(self, _ENGINE_FIELDS, attention_options, mask,
-                             "attention_fn replaces")
+                        dropout_rng, sow_weights, attention_options, replaced_by: str):
+        """attention_fn (flax's own for complex inputs) called as flax.nnx calls it."""
+        check_flax_signature(self, _ENGINE_FIELDS, attention_options, mask, replaced_by)
         if cached is not None:
             mask = nnx.combine_masks(mask, kv_cache.filled_slots(cached, query.shape[:-3]))
-        return self.attention_fn(
+        return (self.attention_fn or nnx.dot_product_attention)(
             query, key, value, mask=mask, dropout_rng=dropout_rng,
             dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
             deterministic=dropout_rate == 0.0, dtype=self.dtype, precision=self.precision,

@@ -19,8 +19,8 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-from flax import errors as flax_errors
 import jax.numpy as jnp
+from flax import errors as flax_errors
 from jax import lax
 
 from attnjax import _checks, kv_cache, masks, multi_head, scores

@@ -30,8 +30,9 @@ IMPLEMENTATIONS = ("dense", "chunked", "cudnn")
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
 # implementation=None runs dense while T·S is at most AUTO_CHUNKED_ABOVE, chunked above
-# it; and chunked already above AUTO_CHUNKED_GRID when the batch's float32 logits,
-# B·N·T·S·4 bytes, exceed AUTO_DENSE_BYTES. Measured on a 2-core CPU, attention alone,
+# it; and on a CPU chunked already above AUTO_CHUNKED_GRID when the batch's float32
+# logits, B·N·T·S·4 bytes, exceed AUTO_DENSE_BYTES (other backends, unmeasured, keep
+# the first rule). Measured on a 2-core CPU, attention alone,
 # forward and backward, each kernel timed in runs of its own (N=8, H=32 or 64, causal
 # and not), the chunked kernel against dense: at T=S=512, 0.96-1.03 at B=1 (8 MiB of
 # logits), 1.03-1.19 at B=2, 1.34-2.34 at B=4; at T=S=384, 1.01-1.06 at B=2, H=64
@@ -134,9 +135,9 @@ def dot_product_attention(
         "chunked" (block-sparse online softmax: O(T + S) memory forward and backward,
         blocks the mask hides skipped) or "cudnn" (delegates to
         `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only, bool arrays
-        and the jax.nn keywords only). None picks dense for T·S ≤ 256², for T·S ≤ 512²
-        while the batch's logits are at most 8 MiB (B·N·T·S ≤ 2²¹), or when weights
-        are asked for, and chunked otherwise; "xla" (jax.nn's name) is the same as None,
+        and the jax.nn keywords only). None picks dense for T·S ≤ 512² (on a CPU, above
+        256² only while the batch's logits are at most 8 MiB: B·N·T·S ≤ 2²¹) or when
+        weights are asked for, and chunked otherwise; "xla" (jax.nn's name) is the same as None,
         both kernels being plain XLA.
       block_sizes: `(block_q, block_k)` for the chunked implementation; chosen per
         shape when None. Lengths need not be multiples of them.
@@ -442,7 +443,8 @@ def _auto_kernel(batch: int, t: int, s: int, num_heads: int) -> str:
     """The kernel implementation=None runs where either can (see AUTO_CHUNKED_ABOVE)."""
     grid = t * s
     dense = grid <= AUTO_CHUNKED_ABOVE and (
-        grid <= AUTO_CHUNKED_GRID or batch * num_heads * grid * 4 <= AUTO_DENSE_BYTES)
+        grid <= AUTO_CHUNKED_GRID or jax.default_backend() != "cpu"
+        or batch * num_heads * grid * 4 <= AUTO_DENSE_BYTES)
     return "dense" if dense else "chunked"
 
 

@@ -304,9 +304,10 @@ def test_eager_calls_compile_for_a_score_mod_once_it_comes_again(rng):
     (1, 320, 32, "chunked"),    # between 256² and 512², 12.5 MiB: chunked
     (1, 640, 1, "chunked"),     # above 512²: chunked whatever the batch
 ])
-def test_implementation_none_picks_by_grid_and_batch(b, t, n, chosen):
+def test_implementation_none_picks_by_grid_and_batch(monkeypatch, b, t, n, chosen):
     """implementation=None traces the same program as the kernel its rule picks (the
-    rule by the grid T·S and the batch's logits, B·N·T·S float32 values)."""
+    rule by the grid T·S and, on a CPU, the batch's logits, B·N·T·S float32 values;
+    elsewhere dense up to 512²)."""
     q = jax.ShapeDtypeStruct((b, t, n, 8), jnp.float32)
     program = lambda implementation: str(jax.make_jaxpr(  # noqa: E731
         lambda q: attnjax.dot_product_attention(q, q, q, is_causal=True,
@@ -314,3 +315,7 @@ def test_implementation_none_picks_by_grid_and_batch(b, t, n, chosen):
     other = {"dense": "chunked", "chunked": "dense"}[chosen]
     assert program(None) == program(chosen)
     assert program(None) != program(other)
+    # (the programs traced as on a GPU: the dense kernel then runs the batch whole)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    elsewhere = "chunked" if t * t > 512 * 512 else "dense"
+    assert program(None) == program(elsewhere)

@@ -226,6 +226,14 @@ def test_the_command_keeps_the_memory_it_frees(setting, expected):
     assert result.stdout.strip() == expected
 
 
+def test_without_glibc_the_allocator_is_left_alone(monkeypatch):
+    def no_glibc(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.delenv("ATTNJAX_KEEP_FREED_MEMORY", raising=False)
+    monkeypatch.setattr(cli.ctypes, "CDLL", no_glibc)
+    assert cli.keep_freed_memory() is False
+
+
 def test_the_command_sets_up_the_allocator(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(cli, "keep_freed_memory", lambda: calls.append("kept"))

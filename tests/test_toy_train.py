@@ -218,7 +218,9 @@ def test_the_command_keeps_the_memory_it_frees(setting, expected):
     """After keep_freed_memory, a 64 MiB block comes from the heap, not mapped on its
     own, and stays in the process once freed; ATTNJAX_KEEP_FREED_MEMORY=0 leaves glibc
     mapping it and giving it back."""
-    env = {k: v for k, v in os.environ.items() if k != "ATTNJAX_KEEP_FREED_MEMORY"}
+    # glibc's defaults to start from, whatever this process was started with
+    env = {k: v for k, v in os.environ.items() if k != "ATTNJAX_KEEP_FREED_MEMORY"
+           and not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     if setting is not None:
         env["ATTNJAX_KEEP_FREED_MEMORY"] = setting
     result = subprocess.run([sys.executable, "-c", _MALLOC_PROBE], env=env, cwd=ROOT,

@@ -250,16 +250,14 @@ class MultiHeadDotProductAttention(nn.Module):
             if dropout_rng is None:
                 dropout_rng = self.make_rng("dropout")
 
-        # attnjax's kernels are real; complex inputs run in flax's attention, as in flax
-        complex_inputs = jnp.issubdtype(dtype, jnp.complexfloating)
-        if self.attention_fn is None and not self._einsum_classes() and not complex_inputs:
+        replaced_by = flax_attention_reason(
+            dtype, self.attention_fn is not None or self._einsum_classes(),
+            "attention_fn and qk_attn_weights_einsum_cls/attn_weights_value_einsum_cls "
+            "replace")
+        if replaced_by is None:
             heads = self._engine(query, key, value, mask, cached, dropout_rate, dropout_rng,
                                  sow_weights, dtype, attention_options)
         else:
-            replaced_by = (f"complex inputs ({jnp.dtype(dtype).name}) run in flax's attention "
-                           "instead of" if complex_inputs and self.attention_fn is None else
-                           "attention_fn and qk_attn_weights_einsum_cls/"
-                           "attn_weights_value_einsum_cls replace")
             heads = self._flax_attention(query, key, value, mask, cached, dropout_rate,
                                          dropout_rng, sow_weights, attention_options,
                                          replaced_by)
@@ -461,6 +459,18 @@ def _matmul_precision(precision):
         raise TypeError(f"precision must be None, a string, a jax.lax.Precision or a "
                         f"DotAlgorithmPreset; got {precision!r}")
     return jax.default_matmul_precision(precision)
+
+
+def flax_attention_reason(dtype, replaced: bool, replacer: str) -> str | None:
+    """Why flax's attention call runs instead of attnjax's engine (the start of
+    check_flax_signature's message), or None when the engine runs: the module's own
+    replacement (replaced, described by replacer), or complex inputs, which attnjax's
+    real kernels do not take and flax's attention does."""
+    if replaced:
+        return replacer
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return f"complex inputs ({jnp.dtype(dtype).name}) run in flax's attention instead of"
+    return None
 
 
 def check_flax_signature(module, engine_fields: dict, attention_options, mask,

@@ -29,6 +29,7 @@ from attnjax.nn.attention import (
     alignment_params,
     check_flax_signature,
     engine_attention,
+    flax_attention_reason,
 )
 
 # attnjax's own fields, at their defaults: what attention_fn (flax's signature) cannot take.
@@ -254,15 +255,12 @@ class MultiHeadAttention(nnx.Module):
                                      "keep_rngs=False.")
                 dropout_rate, dropout_rng = self.dropout_rate, rngs()
 
-        # attnjax's kernels are real; complex inputs run in flax's attention, as in flax
-        complex_inputs = jnp.issubdtype(query.dtype, jnp.complexfloating)
-        if self.attention_fn is None and not complex_inputs:
+        replaced_by = flax_attention_reason(query.dtype, self.attention_fn is not None,
+                                            "attention_fn replaces")
+        if replaced_by is None:
             heads = self._engine(query, key, value, mask, cached, is_causal, dropout_rate,
                                  dropout_rng, sow_weights, attention_options)
         else:
-            replaced_by = (f"complex inputs ({query.dtype.name}) run in flax's attention "
-                           "instead of" if self.attention_fn is None else
-                           "attention_fn replaces")
             heads = self._flax_attention(query, key, value, mask, cached, is_causal,
                                          dropout_rate, dropout_rng, sow_weights,
                                          attention_options, replaced_by)

@@ -79,6 +79,9 @@ def check_room(start, new: int, capacity: int) -> None:
             if int(position) + new > capacity:
                 _LOG.error(message.format(new, int(position), capacity)
                            + "; the tokens were written over the cache's last slots")
-        jax.debug.callback(report, start)
+        # the host is called only on an overrun: a callback at every step costs ~0.5 ms
+        # on a CPU, a tenth of a small model's decoding step
+        lax.cond(start + new > capacity, lambda: jax.debug.callback(report, start),
+                 lambda: None)
     elif int(start) + new > capacity:
         raise ValueError(message.format(new, int(start), capacity))

@@ -99,27 +99,29 @@ def stepwise_greedy_decode(model, params, src, lengths, *, max_len: int, memory_
     """attnjax.nn.greedy_decode with one jitted call per token, as a streaming server
     decodes (the decode=True modules' cache, `apply(..., mutable=["cache"])` a token at a
     time): each call is its own program, so no compiler can lift the projection of the
-    encoder's memory out of the loop; only the cache keeps it from being redone."""
+    encoder's memory out of the loop; only the cache keeps it from being redone. As a
+    server would, it traces the model once: the encoding and the empty cache are one
+    jitted call, each token another."""
     model = model.clone(deterministic=True)
-    b = src.shape[0]
-    memory = _encode(model, params, src, lengths)
     decoder = model.clone(decode=True)
-    cache = decoding._without_memory(decoding._empty_cache(
-        decoder, memory, jnp.zeros((b, max_len), jnp.int32),
-        method=decoding._full_length_decoder))
+    memory, cache = _start(model, decoder, params, src, lengths, max_len=max_len)
     tokens = []
-    last, done = jnp.full((b,), BOS, jnp.int32), jnp.zeros((b,), bool)
+    last, done = jnp.full((src.shape[0],), BOS, jnp.int32), jnp.zeros((src.shape[0],), bool)
     for _ in range(max_len):
-        token, cache = _decode_step(decoder, params, cache, last, memory, lengths, done,
-                                    memory_cache=memory_cache)
-        tokens.append(token)
-        last, done = token, done | (token == EOS)
+        last, done, cache = _decode_step(decoder, params, cache, last, memory, lengths, done,
+                                         memory_cache=memory_cache)
+        tokens.append(last)
     return jnp.stack(tokens, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _encode(model, params, src, lengths):
-    return model.apply({"params": params}, src, lengths, method=nn.Transformer.encode)
+@functools.partial(jax.jit, static_argnames=("model", "decoder", "max_len"))
+def _start(model, decoder, params, src, lengths, *, max_len: int):
+    """The encoder's memory and the decoder's empty cache (without projected memory)."""
+    memory = model.apply({"params": params}, src, lengths, method=nn.Transformer.encode)
+    cache = decoding._without_memory(decoding._empty_cache(
+        decoder, memory, jnp.zeros((src.shape[0], max_len), jnp.int32),
+        method=decoding._full_length_decoder))
+    return memory, cache
 
 
 @functools.partial(jax.jit, static_argnames=("decoder", "memory_cache"),
@@ -130,7 +132,7 @@ def _decode_step(decoder, params, cache, last, memory, lengths, done, *, memory_
         method=nn.Transformer.decode_logits, mutable=["cache"])
     token = jnp.where(done, PAD, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
     cache = variables["cache"] if memory_cache else decoding._without_memory(variables["cache"])
-    return token, cache
+    return token, done | (token == EOS), cache
 
 
 def dates_memory_cache(repeats: int) -> None:

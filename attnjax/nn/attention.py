@@ -147,10 +147,11 @@ class MultiHeadDotProductAttention(nn.Module):
 
     With cache_key_value=True (cross-attention to a fixed memory while decoding), the
     projected keys and values are kept in the "cache" collection as projected_key and
-    projected_value `[batch..., S, K, H|V]` by the first call that may write it; a call
+    projected_value `[batch..., K, H|V, S]` by the first call that may write it; a call
     that finds them there reuses them and does not read inputs_k / inputs_v. The
     encoder–decoder's decoding (`attnjax.nn.greedy_decode`) projects its memory once
-    this way.
+    this way. Their layout, the memory's positions last, is the one XLA's CPU products
+    read, so that a decoding step does not copy them.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -220,7 +221,8 @@ class MultiHeadDotProductAttention(nn.Module):
         query = qkv(shapes["query"], name="query")(inputs_q)
         if self.cache_key_value and self.has_variable("cache", PROJECTED_KEY_VALUE[0]):
             # [batch..., S, K, H], [batch..., S, K, V]: projected by an earlier call
-            key, value = (self.get_variable("cache", name) for name in PROJECTED_KEY_VALUE)
+            key, value = (jnp.moveaxis(self.get_variable("cache", name), -1, -3)
+                          for name in PROJECTED_KEY_VALUE)
             query, _, _ = multi_head.activate_projections(
                 self.projection_activation, query, key, value)
         else:
@@ -230,8 +232,10 @@ class MultiHeadDotProductAttention(nn.Module):
             query, key, value = multi_head.activate_projections(
                 self.projection_activation, query, key, value)
             if self.cache_key_value and self.is_mutable_collection("cache"):
+                # kept [batch..., K, H|V, S], the layout the products read on a CPU:
+                # XLA cancels this move against the kernel's, no step copies them
                 for name, x in zip(PROJECTED_KEY_VALUE, (key, value)):
-                    self.put_variable("cache", name, x)
+                    self.put_variable("cache", name, jnp.moveaxis(x, -3, -1))
         if self.normalize_qk:
             # Normalised queries and keys train stably at higher learning rates (ViT-22B).
             ln = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,

@@ -487,18 +487,18 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
     if name == "chunked":  # its block loops run over all heads at once
         out, lse, weights = chunked.attend(grouped, key, value, *meta)
     else:
-        parts = _dense_parts(b, t, s, n)
         mapped = lambda size: heads.over_heads(  # noqa: E731
             dense.attend, (size, kv_heads, g), ("rows", "kv", "kv", "heads", "heads", "heads"),
             ("rows", "rows", "heads"))
-        out, lse, weights = heads.in_parts(mapped, b, parts)(grouped, key, value, *meta)
+        out, lse, weights = _in_parts_when_differentiated(
+            mapped, b, _dense_parts(b, t, s, n))(grouped, key, value, *meta)
     # out [B, T, K, G, V], lse [B, T, K, G], weights [B, K, G, T, S] or None
     return (out.reshape(b, t, n, value.shape[-1]), lse.reshape(b, t, n),
             None if weights is None else weights.reshape(b, n, t, s))
 
 
-# On a CPU the dense kernel runs on parts of the batch whose logits (float32, all heads)
-# are about this many bytes: independent computations that XLA's CPU runtime runs side
+# On a CPU the dense kernel's derivatives run on parts of the batch whose logits
+# (float32, all heads) are about this many bytes: independent computations that XLA's CPU runtime runs side
 # by side on the cores, each on intermediates small enough to stay in cache. A causal
 # attention training step on a 2-core CPU against flax's (benchmarks/train_step.py,
 # which prints the batch-whole ratio beside): at (B, T, N) = (32, 64, 4), 2 MiB of
@@ -510,9 +510,25 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
 # toy task's 16-token sources) is too little work to share: `python train_toy.py`
 # (copy, evaluating 1,000 sources at a time) took 29.6 s with those in parts, 26.4 s
 # without, from an empty compilation cache.
+# A forward pass alone runs whole: against jax.nn.dot_product_attention, forward only,
+# dense, causal / not, 2-core CPU, one process: (B, T, N, H) = (4, 128, 8, 64) 0.91 /
+# 0.83 in 4 parts, 1.05 / 1.12 whole; (8, 128, 8, 64) 0.94 / 0.85 in 8, 1.20 / 1.30
+# whole; (32, 64, 4, 32) 0.95 / 1.02 in 4, 1.04 / 1.06 whole.
 DENSE_PART_BYTES = 2**19
 DENSE_PARTS_MAX = 8
 DENSE_PART_MIN_GRID = 64 * 64
+
+
+def _in_parts_when_differentiated(mapped, batch: int, parts: int):
+    """`mapped(batch)`, whose derivatives run in `parts` parts of the batch: a forward
+    pass alone runs faster whole (see DENSE_PART_BYTES)."""
+    whole = mapped(batch)
+    if parts <= 1:
+        return whole
+    run = jax.custom_jvp(lambda *args: whole(*args))
+    run.defjvp(lambda primals, tangents: jax.jvp(heads.in_parts(mapped, batch, parts),
+                                                 primals, tangents))
+    return run
 
 
 def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:

@@ -117,17 +117,25 @@ def _plain(q, k, v, bias, visible, rows, cols):
     autodiff of the softmax takes one over `[T, S]`; of the `[T, S]` arrays, only the
     weights are kept for the backward pass. Forward mode and higher orders work too.
     """
-    return _plain_forward(q, k, v, bias, visible)[0]
+    return _plain_forward(q, k, v, bias, visible, _weights_times_values)[0]
 
 
-def _plain_forward(q, k, v, bias, visible):
+def _plain_forward(q, k, v, bias, visible, mix=core.mix_values):
     acc = _logits_dtype(q.dtype)
     # [T, S]
     logits = core.contract_last(q, k, acc)
     if bias is not None:
         logits = logits + bias.astype(acc)
     weights, lse = core.softmax_and_lse(logits, visible)
-    return (core.mix_values(weights, v), lse), weights
+    return (mix(weights, v), lse), weights
+
+
+def _weights_times_values(weights, v):
+    """weights · v as XLA's CPU products read v, `[S, V]` as it is (core.mix_values
+    reads vᵀ, for its derivative's sake): the value where no derivative is taken."""
+    out = jnp.einsum("TS,SV->TV", weights.astype(v.dtype), v,
+                     preferred_element_type=_logits_dtype(v.dtype))
+    return out.astype(v.dtype)
 
 
 @_plain.defjvp

@@ -136,15 +136,21 @@ def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
         grads = jax.grad(lambda *a: jnp.sum(run(*a)[0] ** 2), (0, 1, 2, 3))
         return jax.jit(lambda *a: (run(*a), run(*a, dropout=0.3), grads(*a)))(q, k, v, bias)
 
+    # new functions at each count: jax would reuse a function's trace from before a patch
+    forward = lambda: lambda *a: run(*a)[0]  # noqa: E731
+    backward = lambda: jax.grad(lambda *a: jnp.sum(run(*a)[0] ** 2), (0, 1, 2, 3))  # noqa: E731
     whole = results()
     # heads this small (T·S = 54 logits) run whole
-    assert _dots(lambda *a: run(*a)[0], q, k, v, bias) == 2
+    assert _dots(forward(), q, k, v, bias) == 2
+    whole_backward = _dots(backward(), q, k, v, bias)
     monkeypatch.setattr(attention_module, "DENSE_PART_MIN_GRID", T * S)
     logits_bytes = b * N * T * S * 4
     monkeypatch.setattr(attention_module, "DENSE_PART_BYTES", logits_bytes // 3)
-    assert _dots(lambda *a: run(*a)[0], q, k, v, bias) == 2 * 3
+    # the derivatives in 3 parts; a forward pass alone, faster whole, stays whole
+    assert _dots(backward(), q, k, v, bias) == 3 * whole_backward
+    assert _dots(forward(), q, k, v, bias) == 2
     chex.assert_trees_all_close(results(), whole, rtol=1e-6, atol=1e-6)
     # only a CPU runs in parts
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert _dots(lambda *a: run(*a)[0], q, k, v, bias) == 2
+    assert _dots(backward(), q, k, v, bias) == whole_backward
     assert attention_module._dense_parts(b, T, S, N) == 1

@@ -124,6 +124,8 @@ def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
     segments = jax.random.randint(keys[4], (b, S), 0, 2).sort(axis=-1)
     mask = attnjax.masks.segments(segments[:, :T], segments)
     k_lengths = jax.random.randint(keys[5], (b,), 1, S + 1)
+    tangents = tuple(jax.random.normal(key, x.shape, x.dtype) for key, x in
+                     zip(jax.random.split(keys[7], 4), (q, k, v, bias)))
 
     def run(q, k, v, bias, dropout=0.0):
         # (out, lse); dropout takes the autodiff path, no dropout the written derivative
@@ -132,9 +134,13 @@ def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
             return_residual=True, dropout_rate=dropout,
             dropout_rng=keys[6] if dropout > 0 else None)
 
-    def results():  # one program for the call, with and without dropout, and gradients
+    def results():  # one program for the call, with and without dropout, gradients,
+        # forward mode and second derivatives (a Hessian-vector product)
         grads = jax.grad(lambda *a: jnp.sum(run(*a)[0] ** 2), (0, 1, 2, 3))
-        return jax.jit(lambda *a: (run(*a), run(*a, dropout=0.3), grads(*a)))(q, k, v, bias)
+        hvp = lambda *a: jax.jvp(lambda q: grads(q, *a[1:]), (a[0],), tangents[:1])[1]  # noqa: E731
+        forward = lambda *a: jax.jvp(run, a, tangents)[1]  # noqa: E731
+        return jax.jit(lambda *a: (run(*a), run(*a, dropout=0.3), grads(*a), hvp(*a),
+                                   forward(*a)))(q, k, v, bias)
 
     # new functions at each count: jax would reuse a function's trace from before a patch
     forward = lambda: lambda *a: run(*a)[0]  # noqa: E731

@@ -498,10 +498,11 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
 
 
 # On a CPU the dense kernel's derivatives run on parts of the batch whose logits
-# (float32, all heads) are about this many bytes: independent computations that XLA's CPU runtime runs side
-# by side on the cores, each on intermediates small enough to stay in cache. A causal
-# attention training step on a 2-core CPU against flax's (benchmarks/train_step.py,
-# which prints the batch-whole ratio beside): at (B, T, N) = (32, 64, 4), 2 MiB of
+# (float32, all heads) are about this many bytes: independent computations that XLA's
+# CPU runtime runs side by side on the cores, each on intermediates small enough to
+# stay in cache. A causal attention training step on a 2-core CPU against flax's
+# (benchmarks/train_step.py, which prints the batch-whole ratio beside): at
+# (B, T, N) = (32, 64, 4), 2 MiB of
 # logits, 1.10x in 4 parts against 1.00x whole (with this constant at 2 and 1 MiB and
 # 256 KiB, in 2 parts 1.05x, in 8 0.91x); at (8, 512, 8), 64 MiB, 1.61x in 8 parts (one
 # example each) against 1.14x whole (in 4 parts 1.39x).

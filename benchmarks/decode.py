@@ -104,7 +104,7 @@ def stepwise_greedy_decode(model, params, src, lengths, *, max_len: int, memory_
     jitted call, each token another."""
     model = model.clone(deterministic=True)
     decoder = model.clone(decode=True)
-    memory, cache = _start(model, decoder, params, src, lengths, max_len=max_len)
+    memory, cache = _start(model, params, src, lengths, max_len=max_len)
     tokens = []
     last, done = jnp.full((src.shape[0],), BOS, jnp.int32), jnp.zeros((src.shape[0],), bool)
     for _ in range(max_len):
@@ -114,14 +114,8 @@ def stepwise_greedy_decode(model, params, src, lengths, *, max_len: int, memory_
     return jnp.stack(tokens, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "decoder", "max_len"))
-def _start(model, decoder, params, src, lengths, *, max_len: int):
-    """The encoder's memory and the decoder's empty cache (without projected memory)."""
-    memory = model.apply({"params": params}, src, lengths, method=nn.Transformer.encode)
-    cache = decoding._without_memory(decoding._empty_cache(
-        decoder, memory, jnp.zeros((src.shape[0], max_len), jnp.int32),
-        method=decoding._full_length_decoder))
-    return memory, cache
+# the encoder's memory and the empty cache, as greedy_decode starts
+_start = jax.jit(decoding._start, static_argnames=("model", "max_len"))
 
 
 @functools.partial(jax.jit, static_argnames=("decoder", "memory_cache"),

@@ -101,12 +101,8 @@ def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int
                    bos_id: int, eos_id: int, pad_id: int, memory_cache: bool = True):
     b = src.shape[0]
     model = model.clone(deterministic=True)   # decoding never drops out
-    memory = model.apply({"params": params}, src, src_lengths, method=Transformer.encode)
+    memory, cache = _start(model, params, src, src_lengths, max_len=max_len)
     decoder = model.clone(decode=True)
-    # The self-attention caches, empty; the cross-attentions' projected memory is
-    # left out, for the first step to project and keep (every step, without memory_cache).
-    cache = _without_memory(_empty_cache(decoder, memory, jnp.zeros((b, max_len), jnp.int32),
-                                         method=_full_length_decoder))
 
     def step(state):
         i, tokens, last, done, cache = state
@@ -128,6 +124,16 @@ def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int
             jnp.full((b,), bos_id, jnp.int32), jnp.zeros((b,), bool), cache)
     # the first step (max_len >= 1) runs outside the loop: it adds the projected memory
     return lax.while_loop(running, step, step(init))[1]
+
+
+def _start(model: Transformer, params, src, src_lengths, *, max_len: int):
+    """The encoder's memory `[B, S, D]` and the empty cache of `model.clone(decode=True)`:
+    the self-attention caches, empty; the cross-attentions' projected memory left out,
+    for the first step to project and keep (every step, without memory_cache)."""
+    memory = model.apply({"params": params}, src, src_lengths, method=Transformer.encode)
+    tgt = jnp.zeros((src.shape[0], max_len), jnp.int32)
+    cache = _empty_cache(model.clone(decode=True), memory, tgt, method=_full_length_decoder)
+    return memory, _without_memory(cache)
 
 
 def _without_memory(cache):

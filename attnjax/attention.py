@@ -42,6 +42,16 @@ CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 AUTO_CHUNKED_ABOVE = 512 * 512
 AUTO_CHUNKED_GRID = 256 * 256
 AUTO_DENSE_BYTES = 8 * 2**20
+# A decoding step (T = 1) on a CPU runs chunked when its keys, B·S·K·H·4 bytes, reach
+# AUTO_DECODE_KEY_BYTES and one example's, S·K·H·4, reach AUTO_DECODE_EXAMPLE_BYTES:
+# the dense kernel copies the whole of k and v into its head-major layout at every
+# step, the chunked one block by block, in cache. Measured, one step against a cache
+# (float32, T = 1, each kernel timed interleaved), dense over chunked time: N=K=8,
+# H=64: B=1 at S=8192 (16 MiB) 2.80, S=16384 1.75; B=4, S=2048 2.06; B=8, S=1024 1.36;
+# N=K=16, H=128, B=1: S=2048 2.09, S=8192 4.17; below 16 MiB dense is ahead (0.55-0.94);
+# a large batch of short caches stays dense (B=64, S=256: 0.60, 0.5 MiB an example).
+AUTO_DECODE_KEY_BYTES = 16 * 2**20
+AUTO_DECODE_EXAMPLE_BYTES = 2 * 2**20
 
 
 def dot_product_attention(
@@ -183,7 +193,9 @@ def dot_product_attention(
         shape, mask, is_causal=is_causal, query_lengths=query_lengths,
         key_lengths=key_lengths, window=window)
     score = _score(shape, query.shape[-1], bias, scale, score_mod, sinks, alignment)
-    name = _select_implementation(implementation, return_weights, shape, score)
+    # one example's keys [S, K, H], in bytes
+    key_bytes = key[0].size * key.dtype.itemsize
+    name = _select_implementation(implementation, return_weights, shape, score, key_bytes)
     options = _options(shape, name, implementation, dropout_rate, dropout_rng,
                        dropout_broadcast, return_weights, return_residual, block_sizes)
     if name == "cudnn":
@@ -418,7 +430,7 @@ def _check_alignment(alignment, num_heads: int):
 
 
 def _select_implementation(implementation, return_weights: bool, shape: Shape,
-                           score: Score) -> str:
+                           score: Score, key_bytes: int) -> str:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, None or jax.nn's 'xla'; got "
@@ -427,7 +439,7 @@ def _select_implementation(implementation, return_weights: bool, shape: Shape,
     name = implementation
     if name is None:
         name = ("dense" if return_weights or score.align is not None
-                else _auto_kernel(shape.b, shape.t, shape.s, shape.n))
+                else _auto_kernel(shape.b, shape.t, shape.s, shape.n, key_bytes))
     if return_weights and not _KERNELS.get(name, False):
         raise ValueError(
             f"return_weights=True needs implementation='dense' (the only one that "
@@ -439,13 +451,16 @@ def _select_implementation(implementation, return_weights: bool, shape: Shape,
     return name
 
 
-def _auto_kernel(batch: int, t: int, s: int, num_heads: int) -> str:
-    """The kernel implementation=None runs where either can (see AUTO_CHUNKED_ABOVE)."""
+def _auto_kernel(batch: int, t: int, s: int, num_heads: int, key_bytes: int = 0) -> str:
+    """The kernel implementation=None runs where either can (see AUTO_CHUNKED_ABOVE);
+    key_bytes: one example's keys, S·K·H·itemsize."""
     grid = t * s
+    cpu = jax.default_backend() == "cpu"
     dense = grid <= AUTO_CHUNKED_ABOVE and (
-        grid <= AUTO_CHUNKED_GRID or jax.default_backend() != "cpu"
-        or batch * num_heads * grid * 4 <= AUTO_DENSE_BYTES)
-    return "dense" if dense else "chunked"
+        grid <= AUTO_CHUNKED_GRID or not cpu or batch * num_heads * grid * 4 <= AUTO_DENSE_BYTES)
+    long_cache = (cpu and t == 1 and key_bytes >= AUTO_DECODE_EXAMPLE_BYTES
+                  and batch * key_bytes >= AUTO_DECODE_KEY_BYTES)
+    return "dense" if dense and not long_cache else "chunked"
 
 
 def _options(shape: Shape, name: str, implementation, dropout_rate, dropout_rng,

@@ -319,3 +319,27 @@ def test_implementation_none_picks_by_grid_and_batch(monkeypatch, b, t, n, chose
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     elsewhere = "chunked" if t * t > 512 * 512 else "dense"
     assert program(None) == program(elsewhere)
+
+
+@pytest.mark.parametrize("b, s, k, h, chosen", [
+    (1, 8192, 8, 64, "chunked"),    # 16 MiB of keys, all one example's: chunked
+    (8, 1024, 8, 64, "chunked"),    # 16 MiB, 2 MiB an example: chunked
+    (1, 4096, 8, 64, "dense"),      # 8 MiB: dense
+    (64, 256, 8, 64, "dense"),      # 32 MiB of short caches, 0.5 MiB each: dense
+])
+def test_implementation_none_decodes_a_long_cache_chunked(monkeypatch, b, s, k, h, chosen):
+    """A decoding step (one query) against a long cache runs chunked on a CPU: the dense
+    kernel would copy all of k and v at every step (see AUTO_DECODE_KEY_BYTES); the
+    same keys with two queries, and any step on another backend, keep the grid rule."""
+    def program(implementation, t=1):
+        q = jax.ShapeDtypeStruct((b, t, 2 * k, h), jnp.float32)
+        kv = jax.ShapeDtypeStruct((b, s, k, h), jnp.float32)
+        return str(jax.make_jaxpr(lambda q, kv: attnjax.dot_product_attention(
+            q, kv, kv, is_causal=True, implementation=implementation))(q, kv))
+
+    other = {"dense": "chunked", "chunked": "dense"}[chosen]
+    assert program(None) == program(chosen)
+    assert program(None) != program(other)
+    assert program(None, t=2) == program("dense", t=2)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert program(None) == program("dense")

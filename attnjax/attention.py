@@ -146,9 +146,11 @@ def dot_product_attention(
         blocks the mask hides skipped) or "cudnn" (delegates to
         `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only, bool arrays
         and the jax.nn keywords only). None picks dense for T·S ≤ 512² (on a CPU, above
-        256² only while the batch's logits are at most 8 MiB: B·N·T·S ≤ 2²¹) or when
-        weights are asked for, and chunked otherwise; "xla" (jax.nn's name) is the same as None,
-        both kernels being plain XLA.
+        256² only while the batch's logits are at most 8 MiB: B·N·T·S ≤ 2²¹; and not
+        for one query against keys of 16 MiB or more, 2 MiB an example, a decoding
+        step against a long cache) or when weights are asked for, and chunked
+        otherwise; "xla" (jax.nn's name) is the same as None, both kernels being plain
+        XLA.
       block_sizes: `(block_q, block_k)` for the chunked implementation; chosen per
         shape when None. Lengths need not be multiples of them.
       alignment: `(score_fn, params)`, a learned alignment `score_fn(q [T, Hq],

@@ -187,6 +187,31 @@ def test_a_step_within_the_cache_does_not_call_the_host(rng):
     assert in_cond == [True]
 
 
+def _loop_bodies(program: str) -> str:
+    """The text of the while loops' bodies in a compiled HLO module."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", program))
+    blocks = re.split(r"\n(?=\S)", program)
+    return "\n".join(b for b in blocks if b.split(" ", 1)[0].lstrip("%") in bodies)
+
+
+def test_greedy_decode_reads_the_kept_memory_in_its_loop_without_a_copy(rng):
+    """In greedy_decode's compiled loop, the kept memory is read as it was stored: no
+    step transposes it (XLA would otherwise carry it in its old layout through the loop
+    and transpose it at every step, since it does not lift transposes out of loops)."""
+    config = _transformer()
+    model = nn.Transformer(config)
+    src = _tokens(rng, B, S, 11)
+    params = _init(model, rng, src, src[:, :3])["params"]
+    program = jax.jit(functools.partial(
+        decoding._greedy_decode, model, max_len=T, bos_id=1, eos_id=2, pad_id=0)).lower(
+        params, src, jnp.array([S, 3], jnp.int32)).compile().as_text()
+    n, h = config.num_heads, config.d_model // config.num_heads
+    kept = rf"%\S*(transpose|copy)\S* = f32\[{B},{n},{h},{S}\]"
+    assert re.search(kept, program), "the kept memory is laid out once, before the loop"
+    moved = [line for line in _loop_bodies(program).splitlines() if re.search(kept, line)]
+    assert not moved, moved
+
+
 # --- learned scores ------------------------------------------------------------------
 
 

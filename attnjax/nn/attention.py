@@ -233,9 +233,13 @@ class MultiHeadDotProductAttention(nn.Module):
                 self.projection_activation, query, key, value)
             if self.cache_key_value and self.is_mutable_collection("cache"):
                 # kept [batch..., K, H|V, S], the layout the products read on a CPU:
-                # XLA cancels this move against the kernel's, no step copies them
+                # XLA cancels this move against the kernel's, no step copies them. The
+                # barrier keeps XLA from carrying the old layout through a decoding
+                # loop instead, to transpose it at every step (it lifts no transpose
+                # out of a loop).
                 for name, x in zip(PROJECTED_KEY_VALUE, (key, value)):
-                    self.put_variable("cache", name, jnp.moveaxis(x, -3, -1))
+                    kept = lax.optimization_barrier(jnp.moveaxis(x, -3, -1))
+                    self.put_variable("cache", name, kept)
         if self.normalize_qk:
             # Normalised queries and keys train stably at higher learning rates (ViT-22B).
             ln = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,

@@ -79,8 +79,8 @@ def check_room(start, new: int, capacity: int) -> None:
             if int(position) + new > capacity:
                 _LOG.error(message.format(new, int(position), capacity)
                            + "; the tokens were written over the cache's last slots")
-        # the host is called only on an overrun: a callback at every step costs ~0.5 ms
-        # on a CPU, a tenth of a small model's decoding step
+        # the host is called only on an overrun: a callback costs ~0.5 ms on a CPU, for
+        # each layer at every step (1 of the 9 ms of a dates decoding step)
         lax.cond(start + new > capacity, lambda: jax.debug.callback(report, start),
                  lambda: None)
     elif int(start) + new > capacity:

@@ -459,7 +459,8 @@ def _auto_kernel(batch: int, t: int, s: int, num_heads: int, key_bytes: int = 0)
     grid = t * s
     cpu = jax.default_backend() == "cpu"
     dense = grid <= AUTO_CHUNKED_ABOVE and (
-        grid <= AUTO_CHUNKED_GRID or not cpu or batch * num_heads * grid * 4 <= AUTO_DENSE_BYTES)
+        grid <= AUTO_CHUNKED_GRID or not cpu
+        or batch * num_heads * grid * 4 <= AUTO_DENSE_BYTES)
     long_cache = (cpu and t == 1 and key_bytes >= AUTO_DECODE_EXAMPLE_BYTES
                   and batch * key_bytes >= AUTO_DECODE_KEY_BYTES)
     return "dense" if dense and not long_cache else "chunked"
@@ -518,11 +519,10 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
 # (float32, all heads) are about this many bytes: independent computations that XLA's
 # CPU runtime runs side by side on the cores, each on intermediates small enough to
 # stay in cache. A causal attention training step on a 2-core CPU against flax's
-# (benchmarks/train_step.py, which prints the batch-whole ratio beside): at
-# (B, T, N) = (32, 64, 4), 2 MiB of
-# logits, 1.10x in 4 parts against 1.00x whole (with this constant at 2 and 1 MiB and
-# 256 KiB, in 2 parts 1.05x, in 8 0.91x); at (8, 512, 8), 64 MiB, 1.61x in 8 parts (one
-# example each) against 1.14x whole (in 4 parts 1.39x).
+# (benchmarks/train_step.py, which prints the batch-whole ratio beside): at (B, T, N) =
+# (32, 64, 4), 2 MiB of logits, 1.10x in 4 parts against 1.00x whole (with this
+# constant at 2 and 1 MiB and 256 KiB, in 2 parts 1.05x, in 8 0.91x); at (8, 512, 8),
+# 64 MiB, 1.61x in 8 parts (one example each) against 1.14x whole (in 4 parts 1.39x).
 # Each part is traced and compiled on its own, so there are at most DENSE_PARTS_MAX;
 # and a head of fewer than DENSE_PART_MIN_GRID logits (a decoding step, T = 1, or a
 # toy task's 16-token sources) is too little work to share: `python train_toy.py`

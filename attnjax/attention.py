@@ -44,14 +44,18 @@ AUTO_CHUNKED_GRID = 256 * 256
 AUTO_DENSE_BYTES = 8 * 2**20
 # A decoding step (T = 1) on a CPU runs chunked when its keys, B·S·K·H·4 bytes, reach
 # AUTO_DECODE_KEY_BYTES and one example's, S·K·H·4, reach AUTO_DECODE_EXAMPLE_BYTES:
-# the dense kernel copies the whole of k and v into its head-major layout at every
-# step, the chunked one block by block, in cache. Measured, one step against a cache
-# (float32, T = 1, each kernel timed interleaved), dense over chunked time: N=K=8,
-# H=64: B=1 at S=8192 (16 MiB) 2.80, S=16384 1.75; B=4, S=2048 2.06; B=8, S=1024 1.36;
-# N=K=16, H=128, B=1: S=2048 2.09, S=8192 4.17; below 16 MiB dense is ahead (0.55-0.94);
-# a large batch of short caches stays dense (B=64, S=256: 0.60, 0.5 MiB an example).
-AUTO_DECODE_KEY_BYTES = 16 * 2**20
-AUTO_DECODE_EXAMPLE_BYTES = 2 * 2**20
+# the dense kernel copies k into its head-major layout at every step and makes its
+# [S, V] products with v, the chunked one works block by block, in cache. From 32 MiB
+# on, glibc maps each such buffer afresh at every step (its mmap threshold), and
+# faulting its pages in costs more than the work. Measured, one step against a cache
+# (float32, T = 1, k and v laid out [B, S, K, H], each kernel timed interleaved), dense
+# over chunked time, N=K=8, H=64: B=8, S=2048 (32 MiB) 1.43; B=4, S=4096 1.44; B=1,
+# S=16384 2.16, S=32768 2.73; N=K=16, H=128: B=1, S=4096 2.45; B=2, S=2048 1.73; below
+# 32 MiB 0.77-1.05 (B=4, S=2048 0.77; B=1, S=8192 1.05; B=2, S=4096 0.97, 1.34 in
+# another run); a batch of short caches stays dense (B=16, S=1024, 2 MiB an example:
+# 0.74; B=64, S=256: 0.39).
+AUTO_DECODE_KEY_BYTES = 32 * 2**20
+AUTO_DECODE_EXAMPLE_BYTES = 4 * 2**20
 
 
 def dot_product_attention(

@@ -6,6 +6,7 @@ derivative (`dense._plain`); everything else through autodiff of the same forwar
 compared call for call.
 """
 
+import functools
 import importlib
 
 import chex
@@ -106,6 +107,52 @@ def test_nan_in_hidden_rows_and_columns_reaches_no_gradient():
     dirty = grad(poison(q, q_lengths), poison(k, k_lengths), poison(v, k_lengths), None)
     chex.assert_tree_all_finite(dirty)
     chex.assert_trees_all_close(dirty, clean, rtol=1e-6, atol=1e-6)
+
+
+def test_a_decoding_step_sums_the_seen_values_in_one_pass():
+    """For one query the output is Σ over the seen keys of weight · value, one pass over
+    v with the select inside the sum: no product reads v or a masked copy of it. NaN
+    and inf in hidden values reach neither the output nor a gradient; the numbers equal
+    the path that zeroes v first (return_weights=True), in float32 and bfloat16."""
+    keys = jax.random.split(jax.random.key(11), 4)
+    q = jax.random.normal(keys[0], (B, 1, N, H), jnp.float32)
+    k = jax.random.normal(keys[1], (B, S, K, H), jnp.float32)
+    v = jax.random.normal(keys[2], (B, S, K, V), jnp.float32)
+    lengths = jnp.array([S, 3, 6])
+    hidden = (jnp.arange(S)[None, :] >= lengths[:, None])[..., None, None]
+    poison = jnp.array([jnp.nan, jnp.inf, -jnp.inf], v.dtype)[:, None, None, None]
+    poisoned = jnp.where(hidden, poison, v)
+
+    def run(q, k, v, weights=False):
+        out = attnjax.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                            implementation="dense", return_weights=weights)
+        return out[0] if weights else out
+
+    products = [eqn for eqn in _equations(jax.make_jaxpr(run)(q, k, v).jaxpr)
+                if eqn.primitive.name == "dot_general"]
+    assert products and all(V not in x.aval.shape for eqn in products for x in eqn.invars)
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+        q_, k_, v_, dirty = (x.astype(dtype) for x in (q, k, v, poisoned))
+        want = jax.jit(functools.partial(run, weights=True))(q_, k_, v_)
+        got = jax.jit(run)(q_, k_, dirty)
+        chex.assert_tree_all_finite(got)
+        chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32),
+                                    rtol=tol, atol=tol)
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(run(q, k, v) ** 2), (0, 1, 2)))
+    clean, dirty = grad(q, k, v), grad(q, k, poisoned)
+    chex.assert_tree_all_finite(dirty)
+    chex.assert_trees_all_close(dirty, clean, rtol=1e-6, atol=1e-6)
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _equations(sub)
 
 
 def _dots(fn, *args) -> int:

@@ -322,10 +322,11 @@ def test_implementation_none_picks_by_grid_and_batch(monkeypatch, b, t, n, chose
 
 
 @pytest.mark.parametrize("b, s, k, h, chosen", [
-    (1, 8192, 8, 64, "chunked"),    # 16 MiB of keys, all one example's: chunked
-    (8, 1024, 8, 64, "chunked"),    # 16 MiB, 2 MiB an example: chunked
-    (1, 4096, 8, 64, "dense"),      # 8 MiB: dense
-    (64, 256, 8, 64, "dense"),      # 32 MiB of short caches, 0.5 MiB each: dense
+    (1, 16384, 8, 64, "chunked"),   # 32 MiB of keys, all one example's: chunked
+    (8, 2048, 8, 64, "chunked"),    # 32 MiB, 4 MiB an example: chunked
+    (1, 8192, 8, 64, "dense"),      # 16 MiB: dense
+    (16, 1024, 8, 64, "dense"),     # 32 MiB of short caches, 2 MiB each: dense
+    (64, 256, 8, 64, "dense"),      # 32 MiB, 0.5 MiB each: dense
 ])
 def test_implementation_none_decodes_a_long_cache_chunked(monkeypatch, b, s, k, h, chosen):
     """A decoding step (one query) against a long cache runs chunked on a CPU: the dense

@@ -157,6 +157,41 @@ def test_the_kept_memory_is_read_without_a_copy(rng):
     moved = [line for line in program.splitlines()
              if re.search(rf"%\S*(transpose|copy)\S* = f32\[{b},{k},{h},{s}\]", line)]
     assert not moved, moved
+    # The first step writes each kept array once, and its own products read that copy
+    # (before: five arrays of that shape, a transposed copy for the products and a
+    # bias-add and a copy for each kept one; the dates model's first step 23 -> 10 ms).
+    program = jax.jit(lambda x, memory: module.apply(
+        {"params": params}, x, memory, mask=mask, mutable=["cache"])).lower(
+            x, memory).compile().as_text()
+    entry = program[program.index("\nENTRY"):]
+    written = re.findall(rf"\n\s*(?:ROOT )?%\S+ = f32\[{b},{k},{h},{s}\]", entry)
+    assert len(written) == 2, written
+
+
+def test_one_query_reads_the_kept_memory_on_the_dense_kernel():
+    """implementation=None reads the kept memory on the dense kernel even where keys
+    this long would run chunked: the chunked kernel would copy the `[B, K, H, S]`
+    memory into blocks at every step (3-10x slower). The first step, which projects
+    the memory as `[B, S, K, H]`, keeps the rule."""
+    b, s, k, h = 1, 16384, 8, 64   # 32 MiB of keys, all one example's: chunked
+    x = jax.ShapeDtypeStruct((b, 1, k * h), jnp.float32)
+    memory = jax.ShapeDtypeStruct((b, s, k * h), jnp.float32)
+
+    def programs(implementation):
+        module = nn.MultiHeadDotProductAttention(num_heads=k, cache_key_value=True,
+                                                 implementation=implementation)
+        params = jax.eval_shape(module.init, jax.random.key(0), x, memory)["params"]
+        first = lambda params, x, memory: module.apply(  # noqa: E731
+            {"params": params}, x, memory, mutable=["cache"])
+        kept = jax.eval_shape(first, params, x, memory)[1]
+        later = lambda params, kept, x, memory: module.apply(  # noqa: E731
+            {"params": params, **kept}, x, memory)
+        return (str(jax.make_jaxpr(first)(params, x, memory)),
+                str(jax.make_jaxpr(later)(params, kept, x, memory)))
+
+    (first, later), (first_dense, later_dense) = programs(None), programs("dense")
+    assert later == later_dense
+    assert first == programs("chunked")[0] != first_dense
 
 
 def _equations(jaxpr, enclosing: str, inside: bool = False):

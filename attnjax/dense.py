@@ -159,12 +159,13 @@ def _plain_jvp(primals, tangents):
     q, k, v, bias, visible, rows, cols = primals
     d_q, d_k, d_v, d_bias = tangents[:4]
     if visible is not None:
+        # hidden rows and columns meet only zero weights; a NaN there must not make 0·NaN.
+        # The logits read the same selected q and k as their derivatives do (a hidden
+        # row's or column's logits are masked either way): one copy of each, not two.
+        q, k = jnp.where(rows[:, None], q, 0), jnp.where(cols[:, None], k, 0)
         v, d_v = jnp.where(cols[:, None], v, 0), jnp.where(cols[:, None], d_v, 0)
     (out, lse), weights = _plain_forward(q, k, v, bias, visible)
     acc = weights.dtype
-    if visible is not None:
-        # hidden rows and columns meet only zero weights; a NaN there must not make 0·NaN
-        q, k = jnp.where(rows[:, None], q, 0), jnp.where(cols[:, None], k, 0)
     d_logits = _logits_tangent(q, k, d_q, d_k, acc)
     if bias is not None:
         d_logits = d_logits + d_bias.astype(acc)

@@ -8,6 +8,7 @@ compared call for call.
 
 import functools
 import importlib
+import re
 
 import chex
 import jax
@@ -142,6 +143,32 @@ def test_a_decoding_step_sums_the_seen_values_in_one_pass():
     clean, dirty = grad(q, k, v), grad(q, k, poisoned)
     chex.assert_tree_all_finite(dirty)
     chex.assert_trees_all_close(dirty, clean, rtol=1e-6, atol=1e-6)
+
+
+def test_a_masked_gradient_reads_q_and_k_once_each():
+    """The logits and their derivatives read the same q and k, each with its hidden rows
+    or columns selected away: the compiled gradient of a masked call copies each of q
+    and k once (before, the logits read them as they are, a second copy of each)."""
+    keys = jax.random.split(jax.random.key(12), 4)
+    q, k, v, g = (jax.random.normal(x, (1, 64, 2, 16), jnp.float32) for x in keys)
+
+    def loss(q, k, v):
+        out = attnjax.dot_product_attention(q, k, v, is_causal=True, implementation="dense")
+        return jnp.sum(out * g)
+
+    program = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile().as_text()
+    entry = program[program.index("ENTRY"):]
+    for number in (0, 1):  # q, k
+        name = re.search(rf"(%[\w.]+) = \S+ parameter\({number}\)", entry).group(1)
+        readers = [line for line in entry.splitlines()
+                   if re.search(rf"\({name}[,)]|, {name}[,)]", line) and " bitcast(" not in line]
+        assert len(readers) == 1, readers
+    grads = jax.grad(loss, (0, 1, 2))(q, k, v)
+    chex.assert_tree_all_finite(grads)
+    want = jax.grad(lambda q, k, v: jnp.sum(attnjax.dot_product_attention(
+        q, k, v, is_causal=True, implementation="dense", return_weights=True)[0] * g),
+        (0, 1, 2))(q, k, v)
+    chex.assert_trees_all_close(grads, want, rtol=1e-5, atol=1e-5)
 
 
 def _equations(jaxpr):

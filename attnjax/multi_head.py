@@ -211,6 +211,26 @@ def project(p: Mapping[str, ArrayLike], x: ArrayLike, fan_in_axes: int, *,
     return y
 
 
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                **kwargs) -> Array:
+    """`lax.dot_general` for flax's Dense layers, `nn.Dense(...,
+    dot_general=multi_head.dot_general)`: on a CPU, a Dense that widens or keeps the
+    width (fan-in <= fan-out) takes `project`'s kernel gradient, copying x transposed,
+    where autodiff's form copies the wider cotangent; a narrowing one keeps autodiff's
+    form, which copies the narrower side. Any other product is lax.dot_general's. The
+    copy model's training step (its feed-forward layers, 128 -> 512 -> 128; 2-core CPU):
+    37.5 -> 35.6 ms with the first layer's, 36.3 ms with both layers'."""
+    (lhs_contract, rhs_contract), batch = dimension_numbers
+    if (tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
+            and batch == ((), ()) and rhs.ndim == 2 and rhs.shape[0] <= rhs.shape[1]
+            and not kwargs
+            and preferred_element_type in (None, lhs.dtype) and lhs.dtype == rhs.dtype
+            and jax.default_backend() == "cpu"):
+        return _product_read_transposed(lhs, rhs, 1, precision)
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                           preferred_element_type=preferred_element_type, **kwargs)
+
+
 def _product(x, kernel, fan_in_axes: int, precision, dot_general=lax.dot_general):
     contract = tuple(range(x.ndim - fan_in_axes, x.ndim))
     return dot_general(x, kernel, ((contract, tuple(range(fan_in_axes))), ((), ())),

@@ -21,11 +21,8 @@ def _inputs(rng, dtype=jnp.float32):
 
 def _random_params(rng, **kw):
     """Non-zero biases too, so a dropped bias cannot pass."""
-    params = attnjax.init_multi_head_attention(rng, D, N, **kw)
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.fold_in(rng, 1), len(leaves))
-    return jax.tree.unflatten(tree, [
-        x + 0.1 * jax.random.normal(key, x.shape, x.dtype) for x, key in zip(leaves, keys)])
+    return _randomised(attnjax.init_multi_head_attention(rng, D, N, **kw),
+                       jax.random.fold_in(rng, 1))
 
 
 def test_param_tree_equals_flax(rng):
@@ -143,3 +140,46 @@ def test_kernel_gradients_read_each_input_transposed_once(rng):
                                 rtol=1e-5, atol=1e-4)
     frozen = jax.grad(lambda x, ours: loss(jax.lax.stop_gradient(params), x, ours))
     chex.assert_trees_all_close(frozen(x, True), frozen(x, False), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_layers_kernel_gradient_copies_the_narrower_side(rng):
+    """`multi_head.dot_general` in a Dense that widens (the feed-forward's first layer,
+    12 -> 48) gives its kernel gradient as xᵀ · g over a copy of x, `[12, rows]`, not of
+    its cotangent `[48, rows]`; the narrowing layer keeps autodiff's form, which copies
+    its narrower cotangent. Gradients and a forward-mode derivative equal plain
+    lax.dot_general's; any other product is lax.dot_general's."""
+    x = jax.random.normal(rng, (4, 24, 12), jnp.float32)  # 96 rows
+    ffn = attnjax.nn.FeedForward(d_ff=48)
+    params = _randomised(ffn.init(jax.random.fold_in(rng, 1), x), rng)
+
+    def loss(params, x, plain=False):
+        if plain:
+            p = params["params"]
+            hidden = jax.nn.relu(x @ p["wi"]["kernel"] + p["wi"]["bias"][None, None])
+            out = hidden @ p["wo"]["kernel"] + p["wo"]["bias"][None, None]
+        else:
+            out = ffn.apply(params, x)
+        return jnp.sum(jnp.sin(out))
+
+    grad = jax.grad(loss, (0, 1))
+    program = jax.jit(grad).lower(params, x).compile().as_text()
+    entry = program[program.index("ENTRY"):]
+    assert not re.findall(r"= f32\[48,96\]\{1,0\} ", entry)
+    assert re.findall(r"= f32\[12,96\]\{1,0\} ", entry)
+    chex.assert_trees_all_close(grad(params, x), grad(params, x, True), rtol=1e-5, atol=1e-5)
+    tangents = jax.tree.map(lambda p: jax.random.normal(rng, p.shape, p.dtype), (params, x))
+    chex.assert_trees_all_close(jax.jvp(loss, (params, x), tangents),
+                                jax.jvp(lambda p, x: loss(p, x, True), (params, x), tangents),
+                                rtol=1e-5, atol=1e-5)
+    a, b = (jax.random.normal(k, (3, 4, 5)) for k in jax.random.split(rng))
+    batched = (((2,), (1,)), ((0,), (0,)))
+    np.testing.assert_array_equal(attnjax.multi_head.dot_general(a, b.swapaxes(1, 2), batched),
+                                  jax.lax.dot_general(a, b.swapaxes(1, 2), batched))
+
+
+def _randomised(params, rng):
+    """params plus noise: biases non-zero."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(rng, len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
+                                     for x, k in zip(leaves, keys)])

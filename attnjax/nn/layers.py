@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from attnjax import multi_head
+
 
 class FeedForward(nn.Module):
     """Position-wise Dense(d_ff) → activation → dropout → Dense(d_model).
@@ -29,10 +31,12 @@ class FeedForward(nn.Module):
     def __call__(self, x, *, deterministic: bool = True):
         act = {"relu": nn.relu, "gelu": nn.gelu}[self.activation]
         # [B, L, F]
-        hidden = act(nn.Dense(self.d_ff, dtype=self.dtype, name="wi")(x))
+        hidden = act(nn.Dense(self.d_ff, dtype=self.dtype, name="wi",
+                              dot_general=multi_head.dot_general)(x))
         hidden = nn.Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
         # [B, L, D]
-        return nn.Dense(x.shape[-1], dtype=self.dtype, name="wo")(hidden)
+        return nn.Dense(x.shape[-1], dtype=self.dtype, name="wo",
+                        dot_general=multi_head.dot_general)(hidden)
 
 
 def sinusoids(length: int, d_model: int, offset=0) -> jnp.ndarray:

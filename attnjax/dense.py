@@ -173,12 +173,13 @@ def _plain_jvp(primals, tangents):
     # + P dv: written with O, its transpose sums dO ∘ O over [T, V], not dP ∘ P.
     weighted = weights * d_logits
     d_lse = jnp.sum(weighted, axis=-1)
-    # P dv in contract_last's barrier form, whose transpose copies dO transposed for a
-    # plain product: the train step at (B, T, D, N) = (32, 64, 128, 4), causal, 2-core
-    # CPU, 1.14-1.18x flax with autodiff's form (P transposed read in place), 1.19-1.22x
-    # with this one, measured in one process (since the projections' xᵀ, multi_head.py);
-    # at T=512 it measured faster before as well.
     mix = lambda w, x: core.contract_last(w.astype(v.dtype), x.T, acc)  # noqa: E731
-    _, d_mixed = jax.jvp(mix, (weights, v), (weighted, d_v))
+    # P dv the other way round from the logits: its barrier form (contract_last's tangent)
+    # measured faster at T=512 and slower at T=64, in the same train step.
+    if weights.size <= _SMALL_GRID:
+        d_mixed = mix(weighted, v) + jnp.einsum("TS,SV->TV", weights.astype(v.dtype), d_v,
+                                                preferred_element_type=acc)
+    else:
+        _, d_mixed = jax.jvp(mix, (weights, v), (weighted, d_v))
     d_out = (d_mixed - d_lse[:, None] * out.astype(acc)).astype(out.dtype)
     return (out, lse), (d_out, d_lse)

@@ -198,7 +198,8 @@ def project(p: Mapping[str, ArrayLike], x: ArrayLike, fan_in_axes: int, *,
             precision=None, dot_general=lax.dot_general) -> Array:
     """x · kernel (+ bias), contracting x's last `fan_in_axes` axes with the kernel's
     first ones, in x's dtype: flax's DenseGeneral, whose `precision` and `dot_general`
-    it takes."""
+    it takes. On a CPU, with lax.dot_general, the kernel's gradient is the plain product
+    xᵀ · g over a held copy of xᵀ (`_product_read_transposed`)."""
     x = jnp.asarray(x)
     kernel = jnp.asarray(p["kernel"]).astype(x.dtype)
     if dot_general is lax.dot_general and jax.default_backend() == "cpu":

@@ -39,7 +39,7 @@ from attnjax import heads
 from attnjax.core import FLOOR, MASKED
 from attnjax.masks import FULL, PARTIAL, SKIP, Grid, Mask, pad_axis, slice_block
 from attnjax.options import Options
-from attnjax.scores import Score, _logits_dtype
+from attnjax.scores import Score, _logits_dtype, checked_score
 
 # Chosen on a 2-core CPU with benchmarks/attention.py: large enough that each block's
 # matrix products run near the GEMM rate, small enough that a block of logits for all
@@ -153,7 +153,7 @@ class _Blocks:
     def modify(self, raw, at, consts):
         if self.mod is None:
             return raw
-        return self.mod(raw, at.b, at.n, at.q_pos, at.k_pos, *consts).astype(raw.dtype)
+        return checked_score(self.mod(raw, at.b, at.n, at.q_pos, at.k_pos, *consts), raw)
 
     def visible(self, at):
         """`[bq, bk]`: the Mask's answer, keys past S (padding) hidden."""
@@ -358,7 +358,8 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
         # at FLOOR (or the ceiling), so masked logits (MASKED) contribute exactly 0.
         rows_shape = sizes + (plan.block_q,)
         start = FLOOR if sinks is None else sinks.astype(acc_dtype)[..., None]
-        row_max = start if facts.ceiling is None else jnp.maximum(start, facts.ceiling)
+        # (at least FLOOR: a sink of -inf, a head without one, must not start it at -inf)
+        row_max = jnp.maximum(start, FLOOR if facts.ceiling is None else facts.ceiling)
         row_max = jnp.broadcast_to(jnp.asarray(row_max, acc_dtype), rows_shape)
         init = (
             row_max,

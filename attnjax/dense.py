@@ -59,6 +59,10 @@ def attend(
         logits = score.align(q, k, **score.align_params).astype(acc)
     if score.bias is not None:
         logits = logits + score.bias.astype(acc)
+    if score.mod is not None and visible is not None:
+        # The logits of hidden entries are a NaN's product where q or k holds one there;
+        # score_mod gets 0 instead, so its derivative there (0 · f'(NaN)) stays 0.
+        logits = jnp.where(visible, logits, 0)
     logits = score.modify(logits, at)
     weights, lse = core.softmax_and_lse(logits, visible, score.sinks)
     mixed = weights

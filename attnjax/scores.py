@@ -386,9 +386,14 @@ class Score:
         """logits + nothing else: the score_mod applied at the coordinates `at`."""
         if self.mod is None:
             return logits
-        out = self.mod(logits, at.b, at.n, at.q_pos, at.k_pos)
-        if getattr(out, "shape", None) != logits.shape:
-            raise ValueError(f"score_mod must return the score's shape "
-                             f"{_checks.shape_str(logits.shape)}; got "
-                             f"{_checks.shape_str(jnp.shape(out))}")
-        return out.astype(logits.dtype)
+        return checked_score(self.mod(logits, at.b, at.n, at.q_pos, at.k_pos), logits)
+
+
+def checked_score(out, logits):
+    """score_mod's answer `out` for `logits`, in their dtype; a ValueError unless it has
+    their shape (a broadcastable one would silently give every row the same scores)."""
+    if getattr(out, "shape", None) != logits.shape:
+        raise ValueError(f"score_mod must return the score's shape "
+                         f"{_checks.shape_str(logits.shape)}; got "
+                         f"{_checks.shape_str(jnp.shape(out))}")
+    return out.astype(logits.dtype)

@@ -713,6 +713,11 @@ MISTAKES = [
      TypeError, r"key positions must have an integer dtype; got float32"),
     ("score_mod_shape", lambda: _attend(score_mod=lambda score, b, n, q, k: score[0]),
      ValueError, r"score_mod must return the score's shape \[9, 11\]; got \[11\]"),
+    # the chunked kernel calls score_mod on blocks (here one of 16 × 16); before, it
+    # broadcast the row silently, every query getting the first one's scores
+    ("score_mod_shape_chunked", lambda: _attend(score_mod=lambda score, b, n, q, k: score[0],
+                                                implementation="chunked"),
+     ValueError, r"score_mod must return the score's shape \[16, 16\]; got \[16\]"),
     ("soft_cap_zero", lambda: scores.soft_cap(0.0), ValueError,
      r"soft_cap needs a positive finite cap; got 0.0"),
     ("alibi_rank", lambda: _plain(scores.alibi)(jnp.ones((2, 3), jnp.float32)), ValueError,
@@ -785,6 +790,59 @@ def test_vmap_and_jit_over_an_extra_axis_with_traced_segment_ids(implementation)
         _assert_close(f"slice {i} alone", out_i, expected, 1e-12)
         for g, want in zip(grads, grads_i):
             _assert_close(f"slice {i} gradient", g[i], want, 1e-12)
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_a_sink_of_minus_infinity_is_no_sink(implementation):
+    """sinks=-inf for a head is that head without a sink: the same output, log-sum-exp
+    and gradients as no sinks (the chunked kernel started its running max at -inf, and
+    gave another output and a log-sum-exp of MASKED)."""
+    rs = np.random.RandomState(23)
+    q, key, value = (_normal(rs, shape, jnp.float32)
+                     for shape in ((2, 5, 2, 8), (2, 7, 2, 8), (2, 7, 2, 8)))
+    d_out = _normal(rs, (2, 5, 2, 8), jnp.float32)
+
+    def run(q, key, value, sinks):
+        out, lse = attnjax.dot_product_attention(
+            q, key, value, sinks=sinks, is_causal=True, return_residual=True,
+            implementation=implementation)
+        return jnp.sum(out * d_out) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+    grad = jax.jit(jax.grad(run, argnums=(0, 1, 2), has_aux=True))
+    (grads, (out, lse)) = grad(q, key, value, jnp.full((2,), -jnp.inf, jnp.float32))
+    (want_grads, (want_out, want_lse)) = grad(q, key, value, None)
+    chex.assert_tree_all_finite((grads, out, lse))
+    chex.assert_trees_all_close((out, lse, grads), (want_out, want_lse, want_grads),
+                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_nan_in_hidden_keys_and_queries_stays_out_of_score_mod_gradients(implementation):
+    """A NaN in a key past its example's length, or in a query of a padded row, reaches
+    no output or gradient through a score_mod (the dense kernel handed score_mod the
+    NaN logits of hidden entries, and tanh'(NaN) · 0 made the queries' gradient NaN)."""
+    rs = np.random.RandomState(29)
+    b, t, s, n = 2, 6, 7, 2
+    q, key, value = (_normal(rs, shape, jnp.float32)
+                     for shape in ((b, t, n, 4), (b, s, n, 4), (b, s, n, 4)))
+    k_len, q_len = jnp.array([3, 7]), jnp.array([6, 4])
+    poisoned_k = key.at[0, 3:].set(jnp.nan)
+    poisoned_q = q.at[1, 4:].set(jnp.nan)
+    mod = scores.chain(scores.soft_cap(5.0), scores.alibi(jnp.array([0.25, 0.5])))
+
+    def loss(q, key, value):
+        out = attnjax.dot_product_attention(
+            q, key, value, mask=masks.lengths(query=q_len, key=k_len), score_mod=mod,
+            implementation=implementation)
+        seen = (jnp.arange(t)[None, :] < q_len[:, None])[..., None, None]
+        return jnp.sum(jnp.where(seen, out, 0) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    want = grad(q, key, value)
+    got = grad(poisoned_q, poisoned_k, value)
+    chex.assert_tree_all_finite(got)
+    # the hidden rows' and keys' own gradients are zero either way
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("implementation", ["dense", "chunked"])

@@ -472,6 +472,9 @@ def test_force_new_replaces_the_run_a_workdir_holds(tmp_path):
     with pytest.raises(cli.ConfigError, match="differs in seed"):
         cli._claim_workdir(workdir, new, force_new=False)
     os.close(cli._claim_workdir(workdir, new, force_new=True))
+    # nothing is deleted until the run begins (cli._begin_run)
+    assert (workdir / "metrics.jsonl").exists() and load_config(workdir / "config.yaml") == old
+    cli._begin_run(workdir, new, force_new=True)
     assert sorted(p.name for p in workdir.iterdir()) == [".lock", "config.yaml", "notes.txt"]
     assert load_config(workdir / "config.yaml") == new
 

@@ -17,6 +17,7 @@ used; 130 or 143 interrupted by SIGINT or SIGTERM (saying what was saved).
 """
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import fcntl
@@ -89,7 +90,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
         if isinstance(value, dict):
             flat.update(_flatten(value, f"{prefix}{key}."))
         else:
-            flat[prefix + key] = value
+            flat[f"{prefix}{key}"] = value
     return flat
 
 
@@ -106,7 +107,7 @@ def _check_workdir_config(workdir: Path, config: Config) -> None:
         saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
         if not isinstance(saved, dict):
             raise ValueError(f"a {type(saved).__name__}, not a mapping")
-    except (OSError, ValueError, yaml.YAMLError) as e:
+    except (OSError, ValueError, RecursionError, yaml.YAMLError) as e:
         raise ConfigError(f"{saved_path} is unreadable ({str(e).splitlines()[0]}); "
                           f"{advice}") from None
     saved = _flatten(saved)
@@ -151,21 +152,18 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def _claim_workdir(workdir: Path, config: Config, force_new: bool) -> int | None:
     """Makes, locks and checks the workdir of a run; the lock's descriptor, or None in a
-    process other than the first (which holds the lock for all)."""
-    if workdir.exists() and not workdir.is_dir():
-        raise ConfigError(f"--workdir {workdir} is a file, not a directory")
+    process other than the first (which holds the lock for all). Nothing in it changes
+    yet: `_begin_run` does that once the run has started (see there)."""
     primary = jax.process_index() == 0
     lock = None
     try:
+        if workdir.exists() and not workdir.is_dir():
+            raise ConfigError(f"--workdir {workdir} is a file, not a directory")
         workdir.mkdir(parents=True, exist_ok=True)
         if primary:
             lock = _lock_workdir(workdir)
-            if force_new:
-                for path in [p for name in RUN_FILES for p in workdir.glob(name)]:
-                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        _check_workdir_config(workdir, config)
-        if primary:
-            _write_atomically(workdir / "config.yaml", dump_config(config))
+        if not force_new:
+            _check_workdir_config(workdir, config)
     except OSError as e:
         if lock is not None:
             os.close(lock)
@@ -175,6 +173,22 @@ def _claim_workdir(workdir: Path, config: Config, force_new: bool) -> int | None
             os.close(lock)
         raise
     return lock
+
+
+def _begin_run(workdir: Path, config: Config, force_new: bool) -> None:
+    """Deletes the run the workdir held (force_new) and writes this run's config.yaml:
+    done once the model is built and compiled, so that a mistake found, or a Ctrl-C,
+    before then leaves the workdir as it was (a config.yaml written earlier refused the
+    corrected command; --force-new had deleted the old run)."""
+    if jax.process_index():
+        return
+    try:
+        if force_new:
+            for path in [p for name in RUN_FILES for p in workdir.glob(name)]:
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        _write_atomically(workdir / "config.yaml", dump_config(config))
+    except OSError as e:
+        raise ConfigError(f"cannot use --workdir {workdir}: {e}") from None
 
 
 class _Window:
@@ -332,16 +346,22 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
         raise ConfigError(f"model.implementation=cudnn needs a GPU; this run has "
                           f"{jax.default_backend()}")
     stop.stop_if_requested(BEFORE_TRAINING)
+    created = not os.path.lexists(workdir)
     lock = _claim_workdir(workdir, config, force_new)
     try:
-        return _train(config, workdir, mesh, interactive, stop, began)
+        return _train(config, workdir, mesh, interactive, stop, began, force_new)
     finally:
         if lock is not None:
             os.close(lock)
+            if created and not (workdir / "config.yaml").exists():
+                # the run never began: the workdir it made goes too
+                (workdir / LOCK).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    workdir.rmdir()
 
 
 def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
-           began: float) -> dict:
+           began: float, force_new: bool) -> dict:
     primary = jax.process_index() == 0
 
     def warn(message: str) -> None:
@@ -360,6 +380,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
     train_step = training.make_train_step(model, optimizer, config.optim, config.steps,
                                           config.seed, state, mesh, api=config.model.api)
     eval_batch = training.eval_set(task, config)
+    _begin_run(workdir, config, force_new)
 
     try:
         checkpoints = Checkpoints(workdir / "checkpoints", config.keep_checkpoints,
@@ -471,10 +492,17 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
             "seconds": time.perf_counter() - began, "workdir": str(workdir)}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose mistakes are one line (argparse prints its usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     # prog: argparse's default, the name this program was run by (attnjax-train or
     # train_toy.py)
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description="Train a Transformer on a toy task (copy, reverse, sort, dates); rerun "
         "the same command to resume.")
     parser.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME|PATH",
@@ -553,8 +581,21 @@ def _initialize_distributed(args) -> None:
         return
     if any(x is None for x in given) and not all(x is None for x in given):
         raise ConfigError("--coordinator, --num-processes and --process-id go together")
+    if args.num_processes is not None:
+        if args.num_processes < 1:
+            raise ConfigError(f"--num-processes must be at least 1; got {args.num_processes}")
+        if not 0 <= args.process_id < args.num_processes:
+            raise ConfigError(f"--process-id must be in [0, {args.num_processes}) for "
+                              f"--num-processes {args.num_processes}; got {args.process_id}")
+        host, sep, port = args.coordinator.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"--coordinator must be HOST:PORT (process 0's address and a "
+                              f"free port); got {args.coordinator!r}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    try:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:  # what the environment (JAX_COORDINATOR_ADDRESS...) lacks
+        raise ConfigError(f"cannot start jax.distributed: {str(e).splitlines()[0]}") from None
 
 
 def main(argv=None, *, early_signals=()) -> int:
@@ -564,6 +605,11 @@ def main(argv=None, *, early_signals=()) -> int:
     with StopRequests(early_signals) as stop:
         args = _parser().parse_args(argv)
         overrides = args.overrides + ([f"seed={args.seed}"] if args.seed is not None else [])
+        if args.seed is not None and any(o.partition("=")[0].strip() == "seed"
+                                         for o in args.overrides):
+            print(f"error: --seed {args.seed} and --set seed=... both set the seed; give one",
+                  file=sys.stderr)
+            return 2
         try:
             config = load_config(args.config, overrides)
             workdir = args.workdir or Path("runs") / config.task.name

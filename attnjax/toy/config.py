@@ -275,8 +275,11 @@ def resolve_config(name_or_path: str | Path) -> Path:
     """The config file `--config` names: an existing path, else a shipped config's name
     (with or without `.yaml`). Neither is a `ConfigError` listing the shipped names."""
     path = Path(name_or_path)
-    if path.exists():
-        return path
+    try:
+        if path.exists():
+            return path
+    except OSError as e:  # a name too long for the filesystem, say
+        raise ConfigError(f"cannot read config {name_or_path}: {e.strerror}") from None
     stem = path.name.removesuffix(".yaml")
     if path.parent == Path() and stem in shipped_configs():
         return SHIPPED_CONFIGS / f"{stem}.yaml"
@@ -303,6 +306,8 @@ def load_config(path: str | Path | None = None, overrides=()) -> Config:
         except yaml.YAMLError as e:
             raise ConfigError(f"config {path} is not valid YAML: "
                               f"{str(e).splitlines()[0]}") from None
+        except RecursionError:
+            raise ConfigError(f"config {path} is nested too deeply to read") from None
         data = {} if data is None else data
         if not isinstance(data, dict):  # overrides need sections to go into
             raise ConfigError(f"the config must be a mapping of sections and keys; got "

@@ -107,12 +107,18 @@ def check_bias(name: str, bias, target: Sequence[int], layout: str) -> None:
         got = getattr(bias, "dtype", type(bias).__name__)
         raise TypeError(f"{name} must be a floating array (additive logits); got {got}")
     check_broadcastable(name, bias, target, layout)
-    if not isinstance(bias, jax.core.Tracer):
+    check_finite_or_minus_inf(name, bias, "masked")
+
+
+def check_finite_or_minus_inf(name: str, x, minus_inf: str) -> None:
+    """Known values (outside jit) of a float array are finite or -inf (which means
+    `minus_inf`): NaN or +inf would make every weight of their row NaN."""
+    if not isinstance(x, jax.core.Tracer):
         # float32 on the host: numpy has no bfloat16 comparisons of its own
-        values = np.asarray(bias, np.float32 if bias.dtype.itemsize < 4 else bias.dtype)
+        values = np.asarray(x, np.float32 if x.dtype.itemsize < 4 else x.dtype)
         bad = np.isnan(values) | (values == np.inf)
         if bad.any():
-            raise ValueError(f"{name} must be finite or -inf (masked); got "
+            raise ValueError(f"{name} must be finite or -inf ({minus_inf}); got "
                              f"{values[bad].flat[0]} at index {np.argwhere(bad)[0].tolist()}")
 
 

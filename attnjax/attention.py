@@ -405,6 +405,7 @@ def _score(shape: Shape, head_dim: int, bias, scale, score_mod, sinks, alignment
         sinks = jnp.asarray(sinks)
         _checks.check_floating("sinks", sinks)
         _checks.check_param_shape("sinks", sinks, (shape.n,), "[N]")
+        _checks.check_finite_or_minus_inf("sinks", sinks, "no sink")
         sinks = sinks[None]
     align, align_params = None, None
     if alignment is None:

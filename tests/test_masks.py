@@ -728,6 +728,10 @@ MISTAKES = [
      r"chain's argument 1 must be a score_mod; got int"),
     ("sinks_shape", lambda: _attend(sinks=jnp.ones((4,), jnp.float32)), ValueError,
      r"sinks must have shape \[N\] = \[3\]; got \[4\]"),
+    ("sinks_nan", lambda: _attend(sinks=jnp.array([0.5, jnp.nan, 1.0], jnp.float32)),
+     ValueError, r"sinks must be finite or -inf \(no sink\); got nan at index \[1\]"),
+    ("sinks_inf", lambda: _attend(sinks=jnp.array([jnp.inf, 0.0, 1.0], jnp.float32)),
+     ValueError, r"sinks must be finite or -inf \(no sink\); got inf at index \[0\]"),
 ]
 
 

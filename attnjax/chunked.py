@@ -39,7 +39,7 @@ from attnjax import heads
 from attnjax.core import FLOOR, MASKED
 from attnjax.masks import FULL, PARTIAL, SKIP, Grid, Mask, pad_axis, slice_block
 from attnjax.options import Options
-from attnjax.scores import Score, _logits_dtype, checked_score
+from attnjax.scores import Score, _logits_dtype, apply_score_mod
 
 # Chosen on a 2-core CPU with benchmarks/attention.py: large enough that each block's
 # matrix products run near the GEMM rate, small enough that a block of logits for all
@@ -153,7 +153,8 @@ class _Blocks:
     def modify(self, raw, at, consts):
         if self.mod is None:
             return raw
-        return checked_score(self.mod(raw, at.b, at.n, at.q_pos, at.k_pos, *consts), raw)
+        return apply_score_mod(self.mod, raw, (at.b, at.n, at.q_pos, at.k_pos, *consts),
+                               self.bias is not None)
 
     def visible(self, at):
         """`[bq, bk]`: the Mask's answer, keys past S (padding) hidden."""

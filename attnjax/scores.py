@@ -386,14 +386,22 @@ class Score:
         """logits + nothing else: the score_mod applied at the coordinates `at`."""
         if self.mod is None:
             return logits
-        return checked_score(self.mod(logits, at.b, at.n, at.q_pos, at.k_pos), logits)
+        return apply_score_mod(self.mod, logits, (at.b, at.n, at.q_pos, at.k_pos),
+                               self.bias is not None)
 
 
-def checked_score(out, logits):
-    """score_mod's answer `out` for `logits`, in their dtype; a ValueError unless it has
-    their shape (a broadcastable one would silently give every row the same scores)."""
+def apply_score_mod(mod, logits, args, biased: bool):
+    """`mod(logits, *args)` in the logits' dtype; a ValueError unless it has their shape
+    (a broadcastable one would silently give every row the same scores).
+
+    biased: the logits include a bias, whose −inf entries are a mask: they stay −inf,
+    whatever score_mod makes of them (a soft cap would make −cap of them, a weight),
+    and score_mod sees 0 there, so its derivative is not taken at −inf."""
+    hidden = (logits == -jnp.inf) if biased else None
+    out = mod(logits if hidden is None else jnp.where(hidden, 0, logits), *args)
     if getattr(out, "shape", None) != logits.shape:
         raise ValueError(f"score_mod must return the score's shape "
                          f"{_checks.shape_str(logits.shape)}; got "
                          f"{_checks.shape_str(jnp.shape(out))}")
-    return out.astype(logits.dtype)
+    out = out.astype(logits.dtype)
+    return out if hidden is None else jnp.where(hidden, logits, out)

@@ -12,9 +12,14 @@ manifest was cut short, one whose files differ was damaged. `restore_latest` mov
 steps aside to `checkpoints.damaged/`, saying so, and restores the newest intact one.
 """
 
+import contextlib
+import errno
+import gc
 import hashlib
 import json
+import logging
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -34,6 +39,36 @@ class CheckpointError(RuntimeError):
 def _one_line(error: Exception) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+@contextlib.contextmanager
+def _failure_said_once():
+    """While a save runs, the echoes of its failure are dropped; the CheckpointError it
+    raises says it once. The echoes: each orbax thread logs the exception it hands back
+    to the save (absl ERROR, with a traceback); once one write fails and orbax closes its
+    event loop, each tensorstore write still in flight reports the loop closed (an
+    unraisable RuntimeError: hundreds of tracebacks on a full disk), and each of its
+    failed tasks, when freed, that its exception was never retrieved (asyncio ERROR)."""
+    absl, tasks = logging.getLogger("absl"), logging.getLogger("asyncio")
+    unraisable_hook = sys.unraisablehook
+
+    def logged_exception(record: logging.LogRecord) -> bool:
+        return record.exc_info is None
+
+    def loop_closed(unraisable) -> None:
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            unraisable_hook(unraisable)
+
+    absl.addFilter(logged_exception)
+    tasks.addFilter(logged_exception)
+    sys.unraisablehook = loop_closed
+    try:
+        yield
+    finally:
+        sys.unraisablehook = unraisable_hook
+        tasks.removeFilter(logged_exception)
+        absl.removeFilter(logged_exception)
 
 
 def _sha256(path: Path) -> str:
@@ -95,6 +130,11 @@ class Checkpoints:
     def __init__(self, directory: Path, keep: int, *, primary: bool = True):
         self.directory = Path(directory).absolute()
         self.primary = primary
+        if self.directory.exists() and not self.directory.is_dir():
+            # refused here: orbax would log its own traceback from a thread, and fail
+            # only at the first save, after the run had begun
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR),
+                                     str(self.directory))
         best = checkpoint_managers.BestN(get_metric_fn=lambda metrics: metrics[BEST_METRIC], n=1,
                                          keep_checkpoints_without_metrics=False)
         policy = checkpoint_managers.AnyPreservationPolicy(
@@ -111,16 +151,21 @@ class Checkpoints:
 
     def save(self, step: int, state, record: dict, exact_match: float | None = None) -> None:
         """Writes step completely, manifest included, before returning."""
-        try:
-            self.manager.save(
-                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                              record=ocp.args.JsonSave(record)),
-                metrics=None if exact_match is None else {BEST_METRIC: exact_match}, force=True)
-            if self.primary:
-                write_manifest(self._step_dir(step))
-        except Exception as e:  # whatever orbax or the file system raises: said in one line
-            raise CheckpointError(f"cannot save the checkpoint of step {step} in "
-                                  f"{self.directory}: {_one_line(e)}") from None
+        with _failure_said_once():
+            try:
+                self.manager.save(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                  record=ocp.args.JsonSave(record)),
+                    metrics=None if exact_match is None else {BEST_METRIC: exact_match},
+                    force=True)
+                if self.primary:
+                    write_manifest(self._step_dir(step))
+                return
+            except Exception as e:  # whatever orbax or the file system raises: one line
+                failure = (f"cannot save the checkpoint of step {step} in {self.directory}: "
+                           f"{_one_line(e)}")
+            gc.collect()   # the failed save's tasks, while their echoes are dropped
+        raise CheckpointError(failure)
 
     def latest_intact(self) -> int | None:
         """The newest step whose files match its manifest."""

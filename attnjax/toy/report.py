@@ -1,8 +1,10 @@
 """What a run shows and leaves behind: progress, metrics.jsonl, samples.txt and plots."""
 
+import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +30,9 @@ class MetricsLog:
     the same scalars in TensorBoard event files in the same directory.
 
     Opening it for a run resumed at `resume_step` drops the records of later steps (written
-    after the checkpoint the run resumes from) and a torn last line of a killed process;
-    TensorBoard is told to drop its events of those steps too.
+    after the checkpoint the run resumes from), and from a line no run wrote whole on (the
+    torn last line of a killed process, or a damaged one); TensorBoard is told to drop its
+    events of those steps too. A file that cannot be written raises an OSError naming it.
     """
 
     def __init__(self, path: Path, resume_step: int, *, enabled: bool = True):
@@ -40,39 +43,83 @@ class MetricsLog:
         if not enabled:  # another process writes the file
             return
         if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    break
-                if record["step"] > resume_step:
+            for line in self.path.read_bytes().splitlines():
+                record = _record(line)
+                if record is None or record["step"] > resume_step:
                     break
                 self.records.append(record)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        os.replace(tmp, self.path)
-        self._file = self.path.open("a")
-        from tensorboardX import SummaryWriter
+        with _naming(self.path):
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            os.replace(tmp, self.path)
+            self._file = self.path.open("a")
+        # The events are written here, not by SummaryWriter's thread: a full disk fails
+        # the write that met it, in this thread, and leaves no atexit hook to fail again.
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import SessionLog
 
-        # purge_step: TensorBoard hides what an earlier process wrote from that step on
-        self._events = SummaryWriter(str(self.path.parent), purge_step=resume_step + 1)
+        with _naming(self.path.parent / EVENT_FILES):
+            self._events = EventsWriter(str(self.path.parent / "events"))
+            # TensorBoard hides what an earlier process wrote from this step on
+            self._events.write_event(_event(resume_step + 1, session_log=SessionLog(
+                status=SessionLog.START)))
+            self._events.flush()
 
     def write(self, record: dict) -> None:
         self.records.append(record)
-        if self._file is not None:
+        if self._file is None:
+            return
+        with _naming(self.path):
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        if self._events is not None:
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        with _naming(self.path.parent / EVENT_FILES):
             for key, value in record.items():
                 if key != "step":
-                    self._events.add_scalar(scalar_tag(key), value, record["step"])
+                    self._events.write_event(_event(record["step"], summary=Summary(value=[
+                        Summary.Value(tag=scalar_tag(key), simple_value=value)])))
             self._events.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._events is not None:
-            self._events.close()
+        """Closes both files. Each record was flushed when written, and a failure raised
+        then: a close that fails (a full disk met again) is not raised over it."""
+        for file in (self._file, self._events):
+            if file is not None:
+                with contextlib.suppress(OSError):
+                    file.close()
+        self._file = self._events = None
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """An OSError that names no file (a write or flush that failed) names path."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def _event(step: int, **fields):
+    """A TensorBoard event of step, written now."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    return Event(step=step, wall_time=time.time(), **fields)
+
+
+def _record(line: bytes) -> dict | None:
+    """The record of a metrics.jsonl line; None for a line no run wrote whole: torn by a
+    killed process, or damaged since (not UTF-8, not JSON, not an object with an int
+    "step")."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError or JSONDecodeError
+        return None
+    if not isinstance(record, dict) or type(record.get("step")) is not int:
+        return None
+    return record
 
 
 class Progress:

@@ -1,0 +1,137 @@
+"""A damaged workdir and a full disk, met in process: a damaged metrics.jsonl line, a file
+where the checkpoints go, and a disk that fills while metrics.jsonl, TensorBoard's events
+or a checkpoint is written. Each ends with one clear error (or none) and loses nothing
+already saved. (The command line under the same faults, in subprocesses: test_faults.)"""
+
+import asyncio
+import errno
+import io
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from attnjax.parallel import mesh as mesh_lib
+from attnjax.toy import cli
+from attnjax.toy.checkpoints import CheckpointError, Checkpoints
+from attnjax.toy.config import dump_config, load_config
+from attnjax.toy.report import MetricsLog
+from tests.test_faults import ROOT, TINY
+
+RECORDS = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
+
+
+def _one_device():
+    return mesh_lib.make_mesh(devices=jax.devices()[:1])
+
+
+class _FullDisk(io.RawIOBase):
+    """A file on a disk with no room left: every write fails with ENOSPC, as a write
+    or flush on a full disk does (it names no file)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("line", [b"\xff\xfe garbage", b"5", b'{"loss": 1}', b'{"step": "2"}',
+                                  b'{"step": 1.5}', b"[1, 2]", b'{"step": 2, "loss"'])
+def test_a_damaged_metrics_line_is_dropped_with_what_follows_as_a_torn_one(tmp_path, line):
+    """Bytes that are not UTF-8, JSON that is not an object with an int "step": the line
+    and what follows are dropped, as for the torn last line of a killed process."""
+    path = tmp_path / "metrics.jsonl"
+    valid = b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS)
+    path.write_bytes(valid + line + b"\n" + b'{"step": 3, "loss": 2.0}\n')
+    log = MetricsLog(path, resume_step=10)
+    log.close()
+    assert log.records == RECORDS
+    assert path.read_bytes() == valid
+
+
+@pytest.mark.parametrize("full", ["metrics.jsonl", "events"])
+def test_a_full_disk_while_metrics_are_written_stops_the_run_with_one_line(
+        tmp_path, monkeypatch, float32, full):
+    """The first log line meets a full disk (metrics.jsonl, or TensorBoard's events
+    beside it): the run stops with a RunFailed naming the file and the last good
+    checkpoint; closing the files on the way out raises nothing over it, and nothing
+    is left to fail at exit."""
+    if full == "metrics.jsonl":
+        real_open = Path.open
+
+        def open_full(self, mode="r", *args, **kwargs):
+            if self.name == "metrics.jsonl" and mode == "a":
+                return io.TextIOWrapper(io.BufferedWriter(_FullDisk()))
+            return real_open(self, mode, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "open", open_full)
+    else:
+        import tensorboardX.record_writer
+
+        monkeypatch.setattr(tensorboardX.record_writer, "open_file",
+                            lambda path: io.BufferedWriter(_FullDisk()))
+    config = load_config(ROOT / "configs" / "copy.yaml", TINY)
+    workdir = tmp_path / "run"
+    with pytest.raises(cli.RunFailed) as failure:
+        cli.run(config, workdir, mesh=_one_device(), interactive=False)
+    message = str(failure.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"[Errno {errno.ENOSPC}] No space left on device: "), message
+    assert str(workdir) in message and "Last good checkpoint: none" in message, message
+
+
+def test_a_file_where_the_checkpoints_go_is_refused_before_training(tmp_path, float32):
+    """The run a workdir holds keeps its metrics: nothing trains from scratch over them."""
+    config = load_config(ROOT / "configs" / "copy.yaml", TINY)
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.yaml").write_text(dump_config(config))
+    saved = b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS)
+    (workdir / "metrics.jsonl").write_bytes(saved)
+    (workdir / "checkpoints").write_text("hi\n")
+    with pytest.raises(cli.RunFailed, match=r"^cannot open the checkpoints of .*: \[Errno 20\] "
+                                            r"Not a directory: '.*checkpoints'$"):
+        cli.run(config, workdir, mesh=_one_device(), interactive=False)
+    assert (workdir / "metrics.jsonl").read_bytes() == saved
+    assert (workdir / "checkpoints").read_text() == "hi\n"
+
+
+def test_a_failed_checkpoint_save_is_said_once(tmp_path, monkeypatch, caplog):
+    """A write that fails in orbax's threads (a full disk): save raises one
+    CheckpointError, without orbax's threads logging it again with a traceback, or the
+    writes still in flight each reporting orbax's closed event loop."""
+    from orbax.checkpoint._src.serialization import serialization
+
+    class InFlight:
+        """A write still in flight when orbax closed its loop: it reports the closed loop
+        as it ends (as tensorstore's writes do, with nowhere to raise it)."""
+
+        def __init__(self, loop):
+            self.loop = loop
+
+        def __del__(self):
+            self.loop.call_soon_threadsafe(lambda: None)
+
+    async def full_disk(*args, **kwargs):
+        loop = asyncio.new_event_loop()
+        loop.close()
+        InFlight(loop)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", full_disk)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=3)
+    with caplog.at_level(logging.INFO), pytest.raises(
+            CheckpointError, match=r"^cannot save the checkpoint of step 1 in .*: OSError: "
+                                   r"\[Errno 28\] No space left on device$"):
+        checkpoints.save(1, {"w": jnp.ones((3, 5), jnp.float32)}, {"step": 1})
+    checkpoints.close()
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    assert [str(u.exc_value) for u in unraisable] == []

@@ -138,3 +138,14 @@ def test_a_run_stopped_before_it_began_leaves_the_workdir_as_it_was(tmp_path, mo
         after = {p.relative_to(held): p.read_bytes() if p.is_file() else None
                  for p in held.rglob("*") if p.name != cli.LOCK}
         assert after == before
+
+
+def test_an_emptied_saved_config_is_unreadable_not_another_config(tmp_path):
+    """(read as all defaults, it was refused as another config, naming values the file
+    never held)"""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.yaml").write_text("")
+    config = load_config(ROOT / "configs" / "copy.yaml", TINY)
+    with pytest.raises(cli.ConfigError, match=r"config.yaml is unreadable \(empty\)"):
+        cli._claim_workdir(workdir, config, force_new=False)

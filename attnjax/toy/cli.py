@@ -104,7 +104,9 @@ def _check_workdir_config(workdir: Path, config: Config) -> None:
         return
     advice = "use another --workdir, or --force-new to delete that run and start anew"
     try:
-        saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
+        saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))
+        if saved is None:  # emptied: reading it as all defaults would misname the difference
+            raise ValueError("empty")
         if not isinstance(saved, dict):
             raise ValueError(f"a {type(saved).__name__}, not a mapping")
     except (OSError, ValueError, RecursionError, yaml.YAMLError) as e:
@@ -402,6 +404,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
             raise ConfigError(f"{e}; use another --workdir, or --force-new to delete that "
                               f"run and start anew") from None
         start, saved = (0, {}) if restored is None else (restored[0], restored[2])
+        step = start   # what a failure from here on names
         if restored is not None:
             state = restored[1]
             stop.saved = start

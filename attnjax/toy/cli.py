@@ -608,12 +608,11 @@ def main(argv=None, *, early_signals=()) -> int:
     with StopRequests(early_signals) as stop:
         args = _parser().parse_args(argv)
         overrides = args.overrides + ([f"seed={args.seed}"] if args.seed is not None else [])
-        if args.seed is not None and any(o.partition("=")[0].strip() == "seed"
-                                         for o in args.overrides):
-            print(f"error: --seed {args.seed} and --set seed=... both set the seed; give one",
-                  file=sys.stderr)
-            return 2
         try:
+            if args.seed is not None and any(o.partition("=")[0].strip() == "seed"
+                                             for o in args.overrides):
+                raise ConfigError(f"--seed {args.seed} and --set seed=... both set the seed; "
+                                  f"give one")
             config = load_config(args.config, overrides)
             workdir = args.workdir or Path("runs") / config.task.name
             stop.stop_if_requested(BEFORE_TRAINING)

@@ -406,7 +406,10 @@ def _score(shape: Shape, head_dim: int, bias, scale, score_mod, sinks, alignment
         _checks.check_floating("sinks", sinks)
         _checks.check_param_shape("sinks", sinks, (shape.n,), "[N]")
         _checks.check_finite_or_minus_inf("sinks", sinks, "no sink")
-        sinks = sinks[None]
+        # Under jit a sink's value is unknown: +inf, the limit of a sink that takes
+        # every weight, is taken as the largest finite logit, so that its head's output
+        # is zeros and every gradient finite (inf - inf made them NaN).
+        sinks = jnp.minimum(sinks, jnp.finfo(sinks.dtype).max)[None]
     align, align_params = None, None
     if alignment is None:
         scale = _checks.resolve_scale(scale, head_dim)

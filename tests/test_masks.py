@@ -821,6 +821,35 @@ def test_a_sink_of_minus_infinity_is_no_sink(implementation):
 
 
 @pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_a_sink_of_plus_infinity_under_jit_takes_every_weight(implementation):
+    """Under jit a +inf sink cannot be refused: its head's output is zeros with zero
+    gradients, the other head is as it was, and nothing is NaN (the chunked kernel gave
+    NaN, from inf - inf; dense a NaN sink gradient)."""
+    rs = np.random.RandomState(29)
+    q, key, value, d_out = (_normal(rs, shape, jnp.float32) for shape in (
+        (2, 5, 2, 8), (2, 7, 2, 8), (2, 7, 2, 8), (2, 5, 2, 8)))
+    finite = _normal(rs, (2,), jnp.float32)
+
+    def run(q, key, value, sinks):
+        out = attnjax.dot_product_attention(q, key, value, sinks=sinks, is_causal=True,
+                                            implementation=implementation)
+        return jnp.sum(out * d_out), out
+
+    grad = jax.jit(jax.grad(run, argnums=(0, 1, 2, 3), has_aux=True))
+    grads, out = grad(q, key, value, finite.at[0].set(jnp.inf))
+    want_grads, want_out = grad(q, key, value, finite)
+    chex.assert_tree_all_finite((grads, out))
+    np.testing.assert_array_equal(out[:, :, 0], 0)
+    np.testing.assert_allclose(out[:, :, 1], want_out[:, :, 1], rtol=1e-6, atol=1e-6)
+    for g, want in zip(grads[:3], want_grads[:3]):
+        # head 0's query rows and its keys and values (K = N: one per head) get nothing
+        np.testing.assert_array_equal(g[:, :, 0], 0)
+        np.testing.assert_allclose(g[:, :, 1], want[:, :, 1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(grads[3][0], 0)
+    np.testing.assert_allclose(grads[3][1], want_grads[3][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
 def test_a_minus_infinity_bias_stays_a_mask_under_a_score_mod(implementation):
     """−inf in the bias is a mask also with a score_mod: a soft cap made −cap of it,
     and the hidden keys took weight (max error 0.23 against the masked call)."""

@@ -45,14 +45,23 @@ class _FullDisk(io.RawIOBase):
                                   b'{"step": 1.5}', b"[1, 2]", b'{"step": 2, "loss"'])
 def test_a_damaged_metrics_line_is_dropped_with_what_follows_as_a_torn_one(tmp_path, line):
     """Bytes that are not UTF-8, JSON that is not an object with an int "step": the line
-    and what follows are dropped, as for the torn last line of a killed process."""
+    and what follows are dropped, as for the torn last line of a killed process, and
+    the records lost with it are told; a damaged last line, or one followed only by
+    steps past the resumed one (dropped anyway), is not."""
     path = tmp_path / "metrics.jsonl"
     valid = b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS)
-    path.write_bytes(valid + line + b"\n" + b'{"step": 3, "loss": 2.0}\n')
-    log = MetricsLog(path, resume_step=10)
-    log.close()
-    assert log.records == RECORDS
-    assert path.read_bytes() == valid
+    later = b'{"step": 3, "loss": 2.0}\n{"step": 4, "loss": 1.5}\n'
+    for rest, resume_step, warned in ((later, 10, [f"{path} line {len(RECORDS) + 1} is "
+                                                   f"damaged: it and the 2 records after "
+                                                   f"it (steps 3 to 4) are dropped"]),
+                                      (later, 2, []), (b"", 10, [])):
+        path.write_bytes(valid + line + b"\n" + rest)
+        warnings = []
+        log = MetricsLog(path, resume_step=resume_step, warn=warnings.append)
+        log.close()
+        assert log.records == RECORDS
+        assert path.read_bytes() == valid
+        assert warnings == warned
 
 
 @pytest.mark.parametrize("full", ["metrics.jsonl", "events"])

@@ -408,7 +408,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
         if restored is not None:
             state = restored[1]
             stop.saved = start
-        metrics = MetricsLog(workdir / "metrics.jsonl", start, enabled=primary)
+        metrics = MetricsLog(workdir / "metrics.jsonl", start, enabled=primary, warn=warn)
         window = _Window(saved.get("window", []))
         best = saved.get("best", {"exact_match": -1.0, "step": None})
         progress = Progress(config.steps, start, interactive, enabled=primary)

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +33,13 @@ class MetricsLog:
     Opening it for a run resumed at `resume_step` drops the records of later steps (written
     after the checkpoint the run resumes from), and from a line no run wrote whole on (the
     torn last line of a killed process, or a damaged one); TensorBoard is told to drop its
-    events of those steps too. A file that cannot be written raises an OSError naming it.
+    events of those steps too. A damaged line that records of kept steps follow is told
+    to `warn` (a torn last line is not). A file that cannot be written raises an OSError
+    naming it.
     """
 
-    def __init__(self, path: Path, resume_step: int, *, enabled: bool = True):
+    def __init__(self, path: Path, resume_step: int, *, enabled: bool = True,
+                 warn: Callable[[str], None] | None = None):
         self.path = Path(path)
         self.records = []
         self._file = None
@@ -43,9 +47,18 @@ class MetricsLog:
         if not enabled:  # another process writes the file
             return
         if self.path.exists():
-            for line in self.path.read_bytes().splitlines():
+            lines = self.path.read_bytes().splitlines()
+            for number, line in enumerate(lines, 1):
                 record = _record(line)
-                if record is None or record["step"] > resume_step:
+                if record is None:
+                    lost = [r for r in map(_record, lines[number:])
+                            if r is not None and r["step"] <= resume_step]
+                    if lost and warn is not None:
+                        warn(f"{self.path} line {number} is damaged: it and the "
+                             f"{len(lost)} records after it (steps {lost[0]['step']} to "
+                             f"{lost[-1]['step']}) are dropped")
+                    break
+                if record["step"] > resume_step:
                     break
                 self.records.append(record)
         with _naming(self.path):

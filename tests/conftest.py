@@ -64,21 +64,16 @@ with install_import_hook("attnjax", "beartype.beartype"):
 
 import pytest  # noqa: E402
 
-# Tracing and lowering make and drop millions of small Python objects, and at the
-# interpreter's default thresholds its cyclic collector ran every 700 of them,
-# rescanning every object jax, flax, numpy and the test modules had made at import on
-# each full collection: 5 of test_masks' 39 s. The collector runs every 10,000
-# allocations, and what exists once the tests are collected is set aside (frozen,
-# pytest_collection_finish): 1 s.
-gc.set_threshold(10_000, 10, 10)
-
 
 # (xdist's loadfile hands out the modules with the most tests first. Handing out the
 # longest first, --no-loadscope-reorder, measured slower: the two modules that start
 # many command-line runs side by side then overlap.)
 def pytest_collection_finish(session):
-    gc.collect()
-    gc.freeze()
+    """Once the tests are collected, the cyclic garbage collector as the command line
+    runs it (`collect_less`): it took 5 of test_masks' 39 s, 1 s after."""
+    from attnjax.toy.cli import collect_less
+
+    collect_less()
 
 
 def pytest_unconfigure(config):

@@ -22,6 +22,7 @@ import ctypes
 import dataclasses
 import fcntl
 import functools
+import gc
 import math
 import os
 import shutil
@@ -576,6 +577,18 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**30))
 
 
+def collect_less() -> None:
+    """Python's cyclic garbage collector runs every 10,000 allocations rather than 700,
+    and leaves alone what exists once the libraries are loaded (gc.freeze). Tracing and
+    compiling make and drop millions of small objects, and each full collection
+    rescanned every object of jax, flax and orbax: the collector took 0.7 s of a
+    6-second toy run, 0.25 s after this (memory is still freed when the last reference
+    goes; only cycles wait longer)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
+
+
 def _initialize_distributed(args) -> None:
     """jax.distributed for several processes (CPU collectives over gloo); also when
     only JAX's own environment variables name the coordinator."""
@@ -605,6 +618,7 @@ def main(argv=None, *, early_signals=()) -> int:
     """The command line; returns the exit status. early_signals: SIGINT/SIGTERM numbers
     received before main ran (train_toy.py catches them while the libraries load)."""
     keep_freed_memory()
+    collect_less()
     with StopRequests(early_signals) as stop:
         args = _parser().parse_args(argv)
         overrides = args.overrides + ([f"seed={args.seed}"] if args.seed is not None else [])

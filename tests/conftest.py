@@ -3,9 +3,10 @@
 The CPU is split into four emulated devices for the multi-device tests (computations
 not given a mesh run on the first). float64 is enabled so references and gradient checks
 can run in double precision; every test therefore names its dtype, and the library must
-never promote silently. Rank and
-dtype promotion are strict, and jaxtyping checks every annotated argument of attnjax
-(the hook must be installed before attnjax is first imported).
+never promote silently. Rank and dtype promotion are strict, and jaxtyping checks every
+annotated argument of the modules `import attnjax` loads, the functional core (the hook
+must be installed before they are first imported). attnjax.nn, nnx, parallel, kv_cache
+and toy, imported later by the test modules, are not checked at run time.
 """
 
 import ctypes

@@ -4,9 +4,10 @@ The CPU is split into four emulated devices for the multi-device tests (computat
 not given a mesh run on the first). float64 is enabled so references and gradient checks
 can run in double precision; every test therefore names its dtype, and the library must
 never promote silently. Rank and dtype promotion are strict, and jaxtyping checks every
-annotated argument of the modules `import attnjax` loads, the functional core (the hook
-must be installed before they are first imported). attnjax.nn, nnx, parallel, kv_cache
-and toy, imported later by the test modules, are not checked at run time.
+annotated argument of the library: attnjax and its nn, nnx, parallel and kv_cache
+modules (the hook must be installed before they are first imported; the toy trainer,
+attnjax.toy, is not checked). A test of attnjax's own error messages takes the
+`own_checks_only` fixture.
 """
 
 import ctypes
@@ -62,6 +63,11 @@ from jaxtyping import install_import_hook  # noqa: E402
 
 with install_import_hook("attnjax", "beartype.beartype"):
     import attnjax  # noqa: E402,F401
+    import attnjax.kv_cache  # noqa: E402,F401
+    import attnjax.nn  # noqa: E402,F401
+    import attnjax.nnx  # noqa: E402,F401
+    import attnjax.parallel.context  # noqa: E402,F401
+    import attnjax.parallel.ring  # noqa: E402,F401
 
 import pytest  # noqa: E402
 
@@ -117,6 +123,16 @@ def _one_module_of_compiled_programs():
     yield
     jax.clear_caches()
     _give_memory_back()
+
+
+@pytest.fixture
+def own_checks_only():
+    """attnjax's own checks and messages, as a user without runtime type checks meets
+    them: jaxtyping's checks are off while the test runs."""
+    from tests.checks import own_checks_only
+
+    with own_checks_only():
+        yield
 
 
 @pytest.fixture

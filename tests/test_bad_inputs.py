@@ -7,7 +7,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import jaxtyping
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
@@ -24,12 +23,8 @@ dpa = attnjax.dot_product_attention
 LENGTHS = np.array([S, 3], np.int32)   # example 1's keys 3.. are padding
 
 
-@pytest.fixture(autouse=True)
-def _own_checks_only():
-    """attnjax's own checks, as a user without runtime type checks meets them."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    yield
-    jaxtyping.config.update("jaxtyping_disable", False)
+# attnjax's own checks, as a user without runtime type checks meets them
+pytestmark = pytest.mark.usefixtures("own_checks_only")
 
 
 def _zeros(*shape):

@@ -87,12 +87,8 @@ MISTAKES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _own_checks_only():
-    """Exercise attnjax's own messages, as a user without runtime type checks sees them."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    yield
-    jaxtyping.config.update("jaxtyping_disable", False)
+# attnjax's own messages, as a user without runtime type checks sees them
+pytestmark = pytest.mark.usefixtures("own_checks_only")
 
 
 def test_at_least_fifteen_distinct_mistakes_are_covered():
@@ -120,3 +116,18 @@ def test_runtime_type_checks_also_catch_shape_mismatch():
     jaxtyping.config.update("jaxtyping_disable", False)
     with pytest.raises(TypeError):
         attnjax.attention(q[0, :, 0], k[0, :4, 0], v[0, :, 0])
+
+
+def test_runtime_type_checks_reach_the_modules_and_the_ring():
+    """The suite's hook checks attnjax.nnx and attnjax.parallel too (conftest): a wrong
+    argument type is jaxtyping's error before it is attnjax's own."""
+    from flax import nnx
+
+    from attnjax import nnx as anx
+    from attnjax.parallel import ring_attention
+
+    jaxtyping.config.update("jaxtyping_disable", False)
+    with pytest.raises(jaxtyping.TypeCheckError, match="projection_activation"):
+        anx.MultiHeadAttention(4, 8, projection_activation="relu", rngs=nnx.Rngs(0))
+    with pytest.raises(jaxtyping.TypeCheckError, match="mask"):
+        ring_attention(q, k, v, axis_name="seq", mask=jnp.ones((T, S), bool))

@@ -14,13 +14,13 @@ import flax.linen as flax_nn
 from flax import errors as flax_errors
 import jax
 import jax.numpy as jnp
-import jaxtyping
 import numpy as np
 import pytest
 from jax import lax
 
 import attnjax
 from attnjax import nn
+from tests.checks import own_checks_only
 from tests.numerics import as_users_run
 
 # distinct sizes: two leading batch axes, T queries, S keys, N heads of H = 24 / N
@@ -212,11 +212,8 @@ def test_causal_mask_from_flax_equals_is_causal(rng):
 
 def test_functional_float_mask_error_points_at_the_right_fix():
     """attnjax's own message, as a user without runtime type checks sees it."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
+    with own_checks_only():
         _functional_float_mask()
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 def _functional_float_mask():

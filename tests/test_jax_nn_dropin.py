@@ -9,7 +9,6 @@ import inspect
 
 import jax
 import jax.numpy as jnp
-import jaxtyping
 import numpy as np
 import pytest
 
@@ -148,15 +147,7 @@ def test_top_left_is_positions_from_zero_and_differs_from_bottom_right():
         square, attnjax.dot_product_attention(q, k[:, :T], v[:, :T], is_causal=True))
 
 
-@pytest.fixture
-def _own_checks_only():
-    """attnjax's own messages, as a user without runtime type checks sees them."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    yield
-    jaxtyping.config.update("jaxtyping_disable", False)
-
-
-@pytest.mark.usefixtures("_own_checks_only")
+@pytest.mark.usefixtures("own_checks_only")
 @pytest.mark.parametrize("kwargs, message", [
     (dict(query_lengths=jnp.ones((B,), jnp.int32), query_seq_lengths=jnp.ones((B,), jnp.int32)),
      "query_lengths and query_seq_lengths are two names for one argument"),

@@ -87,6 +87,7 @@ def test_modules_against_the_reference(case):
                                atol=1e-5)
 
 
+@pytest.mark.usefixtures("own_checks_only")
 def test_bad_projection_activation_is_a_type_error(case):
     params, xq, xkv = case
     message = (r"projection_activation must be None, a callable or a \(phi_q, phi_k, phi_v\) "

@@ -195,6 +195,7 @@ def test_zigzag_round_trip(rng):
                                   [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]])
 
 
+@pytest.mark.usefixtures("own_checks_only")
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(layout="striped"), ValueError, "layout must be one of"),
     (dict(k=3), ValueError, "key heads K=3 must divide query heads N=4"),
@@ -212,6 +213,7 @@ def test_ring_attention_errors(kwargs, error, message):
         ring.ring_attention(q, key, key, axis_name="seq", **kwargs)
 
 
+@pytest.mark.usefixtures("own_checks_only")
 @pytest.mark.parametrize("kwargs, message", [
     (dict(mask=masks.segments(jnp.zeros((2, 24), jnp.int32))), "segment_ids="),
     (dict(segment_ids=jnp.zeros((2, 20), jnp.int32)), r"segment_ids must have shape \[B, T\]"),

@@ -82,7 +82,7 @@ class BlockConfig:
     pre_ln: bool = True
     activation: str = "relu"
     implementation: str | None = None
-    dtype: str = "float32"
+    dtype: str | type | np.dtype = "float32"   # stored as its name: "bfloat16"
     attention_soft_cap: float | None = None
     attention_sinks: bool = False
     attention_score: str = "scaled_dot"

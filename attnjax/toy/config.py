@@ -86,6 +86,7 @@ class ModelConfig(BlockConfig):
 
     kind: str = "encoder_decoder"
     api: str = "linen"
+    dtype: str = "float32"   # a name in a config file
     num_encoder_layers: int = 2
     num_decoder_layers: int = 2
     max_len: int = 64

@@ -252,17 +252,28 @@ def test_curves_put_loss_with_learning_rate_and_each_accuracy_on_its_own_panel(r
 
 def test_attention_heatmaps_have_a_colour_bar_labelled_axes_and_legible_ticks(rng):
     src, tgt = list("0123456"), ["<bos>", "a", "b", "c"]
-    maps = {"encoder/layer_0/self": jax.random.uniform(rng, (1, 1, 7, 7)),
-            "decoder/layer_0/self": jax.random.uniform(rng, (1, 1, 4, 4)),
-            "decoder/layer_0/cross": jax.random.uniform(rng, (1, 1, 4, 7))}
+    keys = jax.random.split(rng, 3)
+    maps = {"encoder/layer_0/self": jax.random.uniform(keys[0], (1, 2, 7, 7)),
+            "decoder/layer_0/self": jax.random.uniform(keys[1], (1, 2, 4, 4)),
+            "decoder/layer_0/cross": jax.random.uniform(keys[2], (1, 2, 4, 7))}
     fig = attention_figure(maps, src, tgt)
     heatmaps = [ax for ax in fig.get_axes() if ax.get_images()]
     bars = [ax for ax in fig.get_axes() if ax.get_ylabel() == "attention weight"]
-    assert len(heatmaps) == 3 and len(bars) == 1
-    cross = next(ax for ax in heatmaps if ax.get_title().startswith("decoder/layer_0/cross"))
-    assert cross.get_xlabel() == "source tokens (keys)"
-    assert cross.get_ylabel() == "output tokens (queries)"
-    assert [t.get_text() for t in cross.get_xticklabels()] == src
+    assert len(heatmaps) == 6 and len(bars) == 1
+    cross = {int(ax.get_title()[-1]): ax for ax in heatmaps
+             if ax.get_title().startswith("decoder/layer_0/cross")}
+    np.testing.assert_array_equal(cross[1].get_images()[0].get_array(),
+                                  np.asarray(maps["decoder/layer_0/cross"][0, 1], np.float32))
+    for ax in cross.values():
+        assert ax.get_xlabel() == "source tokens (keys)"
+        assert [t.get_text() for t in ax.get_xticklabels()] == src
+    # the row's heads share its queries: the first panel names them
+    assert cross[0].get_ylabel() == "output tokens (queries)"
+    assert [t.get_text() for t in cross[0].get_yticklabels()] == tgt
+    assert cross[1].get_ylabel() == "" and not cross[1].get_yticklabels()
+    # no panel overlaps another, nor the colour bar
+    boxes = [ax.get_position() for ax in fig.get_axes()]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[:i])
     for ax in heatmaps:
         for tick in ax.get_xticklabels() + ax.get_yticklabels():
             assert tick.get_fontsize() >= 9

@@ -140,6 +140,23 @@ def test_a_run_stopped_before_it_began_leaves_the_workdir_as_it_was(tmp_path, mo
         assert after == before
 
 
+def test_ctrl_c_before_the_first_step_says_the_checkpoints_held_are_as_they_were(tmp_path):
+    """(it said only "this run saved nothing", which left the run resumed in doubt)"""
+    config = load_config(ROOT / "configs" / "copy.yaml", TINY)
+    held = tmp_path / "held"
+    before = _old_run(held, config)
+    for workdir, said in ((tmp_path / "fresh", cli.BEFORE_TRAINING),
+                          (held, f"{cli.BEFORE_TRAINING}; the checkpoints already in "
+                                 f"{held / 'checkpoints'} are as they were")):
+        with cli.StopRequests(early=(signal.SIGINT,)) as stop:
+            with pytest.raises(cli.Interrupted) as raised:
+                cli.run(config, workdir, stop=stop)
+        assert str(raised.value) == f"interrupted (SIGINT) {said}"
+        assert raised.value.exit_status == 130
+    assert {p.relative_to(held): p.read_bytes() if p.is_file() else None
+            for p in held.rglob("*") if p.name != cli.LOCK} == before
+
+
 def test_an_emptied_saved_config_is_unreadable_not_another_config(tmp_path):
     """(read as all defaults, it was refused as another config, naming values the file
     never held)"""

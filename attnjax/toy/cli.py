@@ -65,7 +65,7 @@ from attnjax.toy.tasks import BOS, EOS
 RUN_FILES = ("config.yaml", "metrics.jsonl", EVENT_FILES, "samples.txt", "attention.png",
              "curves.png", "checkpoints", DAMAGED)
 LOCK = ".lock"
-# What an interrupted run says when it stops before its first step.
+# What an interrupted run says when it stops before its first step (`_before_training`).
 BEFORE_TRAINING = "before the first step; this run saved nothing"
 
 
@@ -83,6 +83,16 @@ class Interrupted(Exception):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.exit_status = 128 + signum
+
+
+def _before_training(workdir: Path) -> str:
+    """What a run interrupted before its first step says: it saved nothing, and the
+    checkpoints of the run the workdir already holds are as they were."""
+    held = Path(workdir) / "checkpoints"
+    with contextlib.suppress(OSError):
+        if held.is_dir() and any(p.name.isdigit() for p in held.iterdir()):
+            return f"{BEFORE_TRAINING}; the checkpoints already in {held} are as they were"
+    return BEFORE_TRAINING
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -348,7 +358,7 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
     if config.model.implementation == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"model.implementation=cudnn needs a GPU; this run has "
                           f"{jax.default_backend()}")
-    stop.stop_if_requested(BEFORE_TRAINING)
+    stop.stop_if_requested(_before_training(workdir))
     created = not os.path.lexists(workdir)
     lock = _claim_workdir(workdir, config, force_new)
     try:
@@ -379,7 +389,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
         state = training.init_state(model, optimizer, task, config.seed, mesh)
     except ValueError as e:  # a model that the mesh cannot split
         raise ConfigError(str(e)) from None
-    stop.stop_if_requested(BEFORE_TRAINING)
+    stop.stop_if_requested(_before_training(workdir))
     train_step = training.make_train_step(model, optimizer, config.optim, config.steps,
                                           config.seed, state, mesh, api=config.model.api)
     eval_batch = training.eval_set(task, config)
@@ -629,7 +639,7 @@ def main(argv=None, *, early_signals=()) -> int:
                                   f"give one")
             config = load_config(args.config, overrides)
             workdir = args.workdir or Path("runs") / config.task.name
-            stop.stop_if_requested(BEFORE_TRAINING)
+            stop.stop_if_requested(_before_training(workdir))
             _initialize_distributed(args)
             use_compilation_cache()
             try:

@@ -59,6 +59,15 @@ MAX_SCALE = 1e4
 MIN_SCALE = float(np.finfo(np.float32).tiny)
 
 
+def check_flag(name: str, value) -> None:
+    """A switch of the call: a bool known when the call is traced (`is_causal="false"`
+    would be true, and a traced one cannot choose the program)."""
+    if not isinstance(value, (bool, np.bool_)):
+        got = ("a traced value: under jax.jit, make it a static argument"
+               if isinstance(value, jax.core.Tracer) else repr(value))
+        raise TypeError(f"{name} must be a bool (True or False); got {got}")
+
+
 def outside(values, low, high):
     """The first of `values` (numpy, known) outside [low, high] — the lowest if any is
     below, else the highest — or None when all are inside (or there are none)."""

@@ -186,6 +186,9 @@ def dot_product_attention(
         >>> attnjax.dot_product_attention(query, key, value, is_causal=True).shape
         (2, 5, 8, 32)
     """
+    for name, flag in (("is_causal", is_causal), ("dropout_broadcast", dropout_broadcast),
+                       ("return_weights", return_weights), ("return_residual", return_residual)):
+        _checks.check_flag(name, flag)
     query_lengths = _one_of("query_lengths", query_lengths, "query_seq_lengths", query_seq_lengths)
     key_lengths = _one_of("key_lengths", key_lengths, "key_value_seq_lengths",
                           key_value_seq_lengths)

@@ -501,6 +501,17 @@ class FromFn(Rule):
         out = jnp.asarray(self.fn(at.b, at.n, at.q_pos, at.k_pos))
         if out.dtype != jnp.bool_:
             raise TypeError(f"from_fn's function must return booleans; got dtype {out.dtype}")
+        grid = jnp.broadcast_shapes(at.q_pos.shape, at.k_pos.shape)
+        try:
+            fits = out.ndim <= len(grid) and jnp.broadcast_shapes(out.shape, grid) == grid
+        except ValueError:  # shapes that do not broadcast
+            fits = False
+        if not fits:
+            raise ValueError(f"from_fn's function must return one boolean per query and key: "
+                             f"a shape that broadcasts with q_pos "
+                             f"{_checks.shape_str(at.q_pos.shape)} and k_pos "
+                             f"{_checks.shape_str(at.k_pos.shape)} to "
+                             f"{_checks.shape_str(grid)}; got {_checks.shape_str(out.shape)}")
         return out
 
     def classify(self, blocks):

@@ -151,6 +151,18 @@ MISTAKES = [
     ("greedy_max_len", lambda: _greedy(max_len=0), ValueError,
      r"max_len must be an int >= 1; got 0"),
     ("greedy_bos", lambda: _greedy(bos_id=9), ValueError, r"bos_id must be a token id in \[0, 9\)"),
+    # a switch is a bool: "false" would be true, a traced one cannot choose the program
+    ("is_causal_str", lambda: dpa(q, k, v, is_causal="false"), TypeError,
+     r"is_causal must be a bool \(True or False\); got 'false'"),
+    ("is_causal_traced", lambda: jax.jit(lambda c: dpa(q, k, v, is_causal=c))(True),
+     TypeError, r"is_causal must be a bool \(True or False\); got a traced value: under "
+                r"jax.jit, make it a static argument"),
+    ("return_weights_none", lambda: dpa(q, k, v, return_weights=None), TypeError,
+     r"return_weights must be a bool \(True or False\); got None"),
+    ("from_fn_shape", lambda: dpa(q, k, v, mask=masks.from_fn(
+        lambda b, n, q_pos, k_pos: (q_pos >= k_pos)[..., None])), ValueError,
+     r"from_fn's function must return one boolean per query and key: a shape that "
+     r"broadcasts with q_pos \[5, 1\] and k_pos \[1, 7\] to \[5, 7\]; got \[5, 7, 1\]"),
     # ring attention validates like dot_product_attention
     ("ring_axis", lambda: ring.ring_self_attention(q8, q8, q8, _mesh(), axis="sequence"),
      ValueError, r"axis='sequence' is not an axis of the mesh; its axes are \('seq',\)"),

@@ -175,6 +175,14 @@ MISTAKES = [
      ValueError, r"scale must lie in"),
     ("ring_empty", lambda: _ring_in_shard_map(q8[..., :0], q8[..., :0], q8, axis_name="seq"),
      ValueError, r"must not be empty; got H=0"),
+    ("ring_is_causal", lambda: ring.ring_self_attention(q8, q8, q8, _mesh(), is_causal="no"),
+     TypeError, r"is_causal must be a bool \(True or False\); got 'no'"),
+    ("ring_attention_is_causal", lambda: _ring_in_shard_map(q8, q8, q8, axis_name="seq",
+                                                            is_causal=None),
+     TypeError, r"is_causal must be a bool \(True or False\); got None"),
+    ("module_is_causal", lambda: nn.MultiHeadDotProductAttention(num_heads=2, is_causal="no").init(
+        jax.random.key(0), jnp.ones((1, 3, 4), jnp.float32)),
+     TypeError, r"is_causal must be a bool \(True or False\); got 'no'"),
     ("ring_key_length", lambda: ring.ring_self_attention(q8, q8[:, :4], q8[:, :4], _mesh()),
      ValueError, r"self-attention needs key of the query's \[B, T\] = \[2, 8\]"),
 ]

@@ -537,6 +537,7 @@ def alignment_of(score: str, params: dict, dtype):
 def module_mask(mask, batch: tuple[int, ...], is_causal: bool, window) -> masks.Mask:
     """A module's is_causal and window and its call's mask (a flax array or a Mask), as
     one Mask over the flattened batch."""
+    _checks.check_flag("is_causal", is_causal)
     visible = masks.everything()
     if isinstance(mask, masks.Mask):
         visible = mask

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from attnjax import masks
+from attnjax import _checks, masks
 from attnjax.parallel import ring
 
 AXIS = "seq"
@@ -140,6 +140,7 @@ def ring_engine(mesh: Mesh, *, axis: str = AXIS, batch_axis: str | None = "data"
 
 
 def _mask(mask, is_causal: bool) -> masks.Mask:
+    _checks.check_flag("is_causal", is_causal)
     if mask is None:
         mask = masks.everything()
     if not isinstance(mask, masks.Mask):

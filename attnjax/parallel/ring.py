@@ -391,6 +391,7 @@ def _axis_size(axis_name) -> int:
 
 def _ring_mask(mask, is_causal: bool) -> Mask:
     """The user's mask (every key when None), checked, with causal added if asked."""
+    _checks.check_flag("is_causal", is_causal)
     if mask is None:
         mask = masks.everything()
     if not isinstance(mask, Mask):
@@ -502,6 +503,7 @@ def ring_self_attention(
     """
     _checks.check_rank("query", query, (4,), "[B, T, N, H]")
     b, t = query.shape[:2]
+    _checks.check_flag("is_causal", is_causal)
     for name, x in (("key", key), ("value", value)):
         _checks.check_rank(name, x, (4,), "[B, T, K, H|V]")
         if x.shape[:2] != (b, t):

@@ -281,6 +281,26 @@ def test_attention_heatmaps_have_a_colour_bar_labelled_axes_and_legible_ticks(rn
         assert not short or all(t.get_rotation() == 0 for t in ax.get_xticklabels())
 
 
+def test_attention_labels_of_a_short_sequence_stay_apart(rng):
+    """A decoder-only model's short sequence: panels narrower than their titles and
+    key labels, and shorter than the query label, are spaced by their labels."""
+    tokens = ["0", "<sep>", "<pad>"]
+    keys = jax.random.split(rng, 2)
+    maps = {f"decoder/layer_{i}/self": jax.random.uniform(keys[i], (1, 3, 3, 3))
+            for i in range(2)}
+    fig = attention_figure(maps, tokens, tokens)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = [text for ax in fig.get_axes() if ax.get_images()
+             for text in (ax.title, ax.xaxis.label, ax.yaxis.label) if text.get_text()]
+    assert len(texts) == 6 * 2 + 2
+    boxes = [text.get_window_extent(renderer) for text in texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[:i])
+    width, height = fig.canvas.get_width_height()
+    assert all(0 <= box.x0 and box.x1 <= width and 0 <= box.y0 and box.y1 <= height
+               for box in boxes)
+
+
 def test_tensorboard_tags_group_training_evaluation_and_time():
     assert [scalar_tag(k) for k in ("loss", "learning_rate", "eval_exact_match",
                                     "eval_token_accuracy", "eval_s", "tokens_per_s")] == [

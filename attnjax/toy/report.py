@@ -272,36 +272,40 @@ def attention_figure(maps: dict, src_tokens: list[str], tgt_tokens: list[str]):
     # constrained layout measured every tick label of every panel, 1.7 of the 3.3 s
     # this figure took (6 layers of 4 heads).
     cell, char = 0.26, 0.08   # inches per token (room for a 9-point label), per character
-    side = max(len(src_tokens), len(tgt_tokens)) * cell
-    # A panel's box: its title (10-point) and key label fit across, the query label down.
-    across = max([side, 0.09 * len(f"{names[-1]}, head {heads - 1}")]
+    # A panel holds its keys across and its queries down, a cell per token; its box
+    # also fits its title (10-point) and key label across and its query label down.
+    across = max([cell * len(keys) for _, _, keys in rows]
+                 + [0.09 * len(f"{names[-1]}, head {heads - 1}")]
                  + [char * len(f"{kind(keys)} tokens (keys)") for _, _, keys in rows])
-    down = max([side] + [char * len(f"{kind(queries)} tokens (queries)")
-                         for _, queries, _ in rows])
+    downs = [max(cell * len(queries), char * len(f"{kind(queries)} tokens (queries)"))
+             for _, queries, _ in rows]
     # the first column's query labels; keys' labels longer than two characters run
     # vertically
     left = 0.45 + char * max(longest(queries) for _, queries, _ in rows)
     below = 0.5 + max(char * longest(keys) if longest(keys) > 2 else 0.2
                       for _, _, keys in rows)
     above, gap, bar_room = 0.35, 0.3, 1.2
-    height = above + down + below
-    fig = plt.figure(figsize=(left + heads * (across + gap) + bar_room, len(rows) * height))
+    fig = plt.figure(figsize=(left + heads * (across + gap) + bar_room,
+                              sum(above + down + below for down in downs)))
     width_in, height_in = fig.get_size_inches()
+    top = height_in   # of the row being placed
     image = None
-    for row, (name, queries, keys) in enumerate(rows):
+    for (name, queries, keys), down in zip(rows, downs):
         # [N, T, S] cropped to the example's tokens
         weights = np.asarray(maps[name][0], np.float32)[:, : len(queries), : len(keys)]
-        bottom = height_in - (row + 1) * height + below + (down - side) / 2
+        width, height = cell * len(keys), cell * len(queries)
+        bottom = top - above - (down + height) / 2
+        top -= above + down + below
         for head in range(heads):
-            ax = fig.add_axes(((left + head * (across + gap) + (across - side) / 2) / width_in,
-                               bottom / height_in, side / width_in, side / height_in))
+            ax = fig.add_axes(((left + head * (across + gap) + (across - width) / 2) / width_in,
+                               bottom / height_in, width / width_in, height / height_in))
             image = ax.imshow(weights[head], cmap="viridis", vmin=0.0, vmax=1.0)
             ax.set_xticks(range(len(keys)), keys, rotation=90 if longest(keys) > 2 else 0,
                           fontsize=9)
             ax.set_xlabel(f"{kind(keys)} tokens (keys)", fontsize=9)
             # above the query label where that is taller than the panel
             ax.set_title(f"{name}, head {head}", fontsize=10,
-                         pad=6 + 72 * (down - side) / 2)
+                         pad=6 + 72 * (down - height) / 2)
             if head == 0:
                 ax.set_yticks(range(len(queries)), queries, fontsize=9)
                 ax.set_ylabel(f"{kind(queries)} tokens (queries)", fontsize=9)

@@ -275,7 +275,7 @@ def attention_figure(maps: dict, src_tokens: list[str], tgt_tokens: list[str]):
     # A panel holds its keys across and its queries down, a cell per token; its box
     # also fits its title (10-point) and key label across and its query label down.
     across = max([cell * len(keys) for _, _, keys in rows]
-                 + [0.09 * len(f"{names[-1]}, head {heads - 1}")]
+                 + [0.09 * len(f"{name}, head {heads - 1}") for name in names]
                  + [char * len(f"{kind(keys)} tokens (keys)") for _, _, keys in rows])
     downs = [max(cell * len(queries), char * len(f"{kind(queries)} tokens (queries)"))
              for _, queries, _ in rows]

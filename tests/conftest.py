@@ -5,9 +5,9 @@ not given a mesh run on the first). float64 is enabled so references and gradien
 can run in double precision; every test therefore names its dtype, and the library must
 never promote silently. Rank and dtype promotion are strict, and jaxtyping checks every
 annotated argument of the library: attnjax and its nn, nnx, parallel and kv_cache
-modules (the hook must be installed before they are first imported; the toy trainer,
-attnjax.toy, is not checked). A test of attnjax's own error messages takes the
-`own_checks_only` fixture.
+modules, and the toy trainer, attnjax.toy (the hook must be installed before they are
+first imported; the command-line runs the tests start are not checked). A test of
+attnjax's own error messages takes the `own_checks_only` fixture.
 """
 
 import ctypes
@@ -68,6 +68,7 @@ with install_import_hook("attnjax", "beartype.beartype"):
     import attnjax.nnx  # noqa: E402,F401
     import attnjax.parallel.context  # noqa: E402,F401
     import attnjax.parallel.ring  # noqa: E402,F401
+    import attnjax.toy.cli  # noqa: E402,F401
 
 import pytest  # noqa: E402
 

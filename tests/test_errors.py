@@ -4,6 +4,7 @@ raised at trace time (also under jit), never an XLA error or a silent NaN."""
 import jax
 import jax.numpy as jnp
 import jaxtyping
+import numpy as np
 import pytest
 
 import attnjax
@@ -118,16 +119,22 @@ def test_runtime_type_checks_also_catch_shape_mismatch():
         attnjax.attention(q[0, :, 0], k[0, :4, 0], v[0, :, 0])
 
 
-def test_runtime_type_checks_reach_the_modules_and_the_ring():
-    """The suite's hook checks attnjax.nnx and attnjax.parallel too (conftest): a wrong
-    argument type is jaxtyping's error before it is attnjax's own."""
+def test_runtime_type_checks_reach_the_modules_the_ring_and_the_trainer():
+    """The suite's hook checks attnjax.nnx, attnjax.parallel and attnjax.toy too
+    (conftest): a wrong argument type is jaxtyping's error before it is attnjax's own."""
     from flax import nnx
 
     from attnjax import nnx as anx
     from attnjax.parallel import ring_attention
+    from attnjax.toy import tasks
 
     jaxtyping.config.update("jaxtyping_disable", False)
     with pytest.raises(jaxtyping.TypeCheckError, match="projection_activation"):
         anx.MultiHeadAttention(4, 8, projection_activation="relu", rngs=nnx.Rngs(0))
     with pytest.raises(jaxtyping.TypeCheckError, match="mask"):
         ring_attention(q, k, v, axis_name="seq", mask=jnp.ones((T, S), bool))
+    with pytest.raises(jaxtyping.TypeCheckError, match="src_len"):
+        tasks.make_batch([[3, 4]], [[4, 3]], src_len="4", tgt_len=4)
+    # numpy's ints, as the tasks draw them, are token ids too
+    batch = tasks.make_batch([[np.int64(3), 4]], [[4, np.int32(3)]], src_len=4, tgt_len=4)
+    np.testing.assert_array_equal(batch.tgt_in[0], [tasks.BOS, 4, 3, tasks.PAD, tasks.PAD])

@@ -54,7 +54,7 @@ def check(config, mesh) -> None:
                               f"attention has no attention dropout, soft cap or sinks")
 
 
-def lay_out(batch: Batch | Sequences, shards: int) -> PositionedBatch | Sequences:
+def lay_out(batch: Batch | Sequences, shards: int) -> Batch | PositionedBatch | Sequences:
     """A host batch in the zig-zag layout of `shards` devices (as it is for one)."""
     if shards == 1:
         return batch

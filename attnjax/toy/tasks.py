@@ -73,9 +73,10 @@ def held_out(keys: np.ndarray) -> np.ndarray:
     return mixed % np.uint64(HELD_OUT_ONE_IN) == 0
 
 
-def make_batch(sources: list[list[int]], targets: list[list[int]], src_len: int,
-               tgt_len: int) -> Batch:
-    """Pads token lists to `[B, src_len]` and `[B, tgt_len + 1]` (room for bos/eos)."""
+def make_batch(sources: list[list[int | np.integer]], targets: list[list[int | np.integer]],
+               src_len: int, tgt_len: int) -> Batch:
+    """Pads token lists (of Python or numpy ints) to `[B, src_len]` and
+    `[B, tgt_len + 1]` (room for bos/eos)."""
     b = len(sources)
     src = np.full((b, src_len), PAD, np.int32)
     tgt_in = np.full((b, tgt_len + 1), PAD, np.int32)

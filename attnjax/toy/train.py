@@ -20,6 +20,7 @@ the results are too.
 
 import dataclasses
 import functools
+from typing import Any
 
 import flax
 import jax
@@ -43,6 +44,9 @@ from attnjax.toy.sequences import DecoderOnlyFormat, Sequences
 from attnjax.toy.tasks import BOS, EOS, PAD, Batch
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
+# A training batch: the task's (laid out for a "seq" mesh axis with its positions), or
+# the decoder-only model's sequences.
+TrainBatch = Batch | sequence_parallel.PositionedBatch | Sequences
 
 
 def init_key(seed: int) -> jax.Array:
@@ -55,9 +59,11 @@ def dropout_key(seed: int) -> jax.Array:
 
 @flax.struct.dataclass
 class TrainState:
-    """What a checkpoint holds: the step, the parameters and the optimiser state."""
+    """What a checkpoint holds: the step, the parameters and the optimiser state. (A
+    pytree: jax.tree.map and jax.eval_shape rebuild it with other leaves, shapes or
+    shardings, so the fields are annotated by structure.)"""
 
-    step: jax.Array
+    step: Any   # an int32 scalar array
     params: dict
     opt_state: optax.OptState
 
@@ -124,14 +130,14 @@ def init_state(model, optimizer, task, seed: int, mesh) -> TrainState:
     return jax.jit(init, out_shardings=mesh_lib.shardings(jax.eval_shape(init), mesh))()
 
 
-def _inputs(batch: Batch | Sequences) -> tuple:
+def _inputs(batch: TrainBatch) -> tuple:
     """The positional arguments of the model a batch is for."""
     if isinstance(batch, Sequences):
         return (batch.tokens,)
     return batch.src, batch.tgt_in, batch.src_lengths
 
 
-def _logits_and_labels(model, params, batch: Batch | Sequences, **kwargs):
+def _logits_and_labels(model, params, batch: TrainBatch, **kwargs):
     """`[B, L, V]` logits and `[B, L]` labels (pad: no loss) of either kind of batch."""
     if isinstance(batch, Sequences):
         logits = model.apply({"params": params}, batch.tokens, segment_ids=batch.segment_ids,
@@ -145,7 +151,8 @@ def _logits_and_labels(model, params, batch: Batch | Sequences, **kwargs):
     return model.apply({"params": params}, *_inputs(batch), **kwargs), batch.tgt_out
 
 
-def loss_and_metrics(params, batch: Batch | Sequences, model, label_smoothing: float, rng=None):
+def loss_and_metrics(params, batch: TrainBatch, model,
+                     label_smoothing: float | jax.Array, rng=None):
     """Label-smoothed cross-entropy averaged over the target tokens (eos included; pad
     and, for the decoder-only model, the prompt excluded); dropout when an rng is given.
     metrics["tokens"] counts those target tokens: the same for an example wherever it
@@ -204,7 +211,7 @@ def make_train_step(model: Transformer | DecoderOnly, optimizer, optim, steps: i
     # The batch keeps the layout `train_batch` gives it (split over "seq" too).
     @functools.partial(jax.jit, donate_argnums=0, in_shardings=(state_shardings, None),
                        out_shardings=(state_shardings, mesh_lib.replicated(mesh)))
-    def train_step(state: TrainState, batch: Batch | Sequences):
+    def train_step(state: TrainState, batch: TrainBatch):
         key = jax.random.fold_in(dropout_key(seed), state.step)
         with sequence_parallel.attention(mesh):
             grads, metrics = grad_fn(state.params, batch, forward, optim.label_smoothing, key)
@@ -228,7 +235,7 @@ def eval_set(task, config) -> Batch:
                        held=True)
 
 
-def train_batch(task, config, step: int, mesh) -> Batch | Sequences:
+def train_batch(task, config, step: int, mesh) -> TrainBatch:
     """The global training batch of `step`, a function of (seed, step) alone, split over
     the mesh's "data" axis. Every process draws it whole and places its own shards.
 

@@ -163,6 +163,44 @@ def test_invisible_steps_are_skipped(rng, monkeypatch):
     assert [runs[device] for device in range(P)] == [1, 2, 3, 4]
 
 
+def _ppermutes(jaxpr, in_loop: bool = False) -> collections.Counter:
+    """The ppermutes of a jaxpr and of the jaxprs nested in it, counted by whether a
+    loop (a scan or a while: an XLA while loop) holds them."""
+    found = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            found[in_loop] += 1
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else [param]:
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += _ppermutes(inner, in_loop or eqn.primitive.name in ("while", "scan"))
+    return found
+
+
+def test_across_processes_on_cpus_the_ring_steps_are_written_out(rng, monkeypatch):
+    """XLA's CPU runtime runs a loop's collective-permutes alongside the collectives
+    outside the loop, in whichever order each device reaches them; gloo, between
+    processes, needs one order, and a training step of two processes waited forever.
+    With several processes on CPUs no loop holds the ring's ppermutes, forward or
+    backward; in one process the P steps stay one loop body."""
+    q, k, v, d_out = _inputs(rng, 16, 16, 2, 1, 4, 4)
+
+    def grads(q, k, v):
+        attend = functools.partial(ring.ring_self_attention, mesh=_mesh(), is_causal=True)
+        _, pullback = jax.vjp(attend, q, k, v)
+        return pullback(d_out)
+
+    one_process = _ppermutes(jax.make_jaxpr(grads)(q, k, v).jaxpr)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    jax.clear_caches()   # traced again, not taken from the cache
+    several = _ppermutes(jax.make_jaxpr(grads)(q, k, v).jaxpr)
+    assert one_process[True] > 0 and several[True] == 0
+    # each loop's ppermute is P ppermutes written out (less a last one whose shards
+    # nothing reads)
+    assert (P - 1) * one_process[True] <= several[False] <= P * one_process[True]
+
+
 def test_zigzag_balances_causal_work():
     """Non-skipped blocks of half a shard (the zig-zag chunks), per device, by the
     classifier the ring and the kernel use."""

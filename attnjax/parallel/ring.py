@@ -180,6 +180,21 @@ def _combine(out, lse, block_out, block_lse):
 # The ring, forward and backward.
 
 
+def _ring_steps(p: int, step_and_pass, carry):
+    """`step_and_pass(i, carry)` for the P ring steps: one loop body (one copy of the
+    kernel to compile), or, where the devices span several processes on CPUs, the P
+    steps written out. XLA's CPU runtime runs a loop's collective-permutes alongside the
+    program's collectives outside the loop, in whichever order each device reaches them;
+    gloo, which carries the collectives between processes, needs one order on every
+    process, and a training step of processes that reached it seconds apart waited
+    forever (tests/test_context_parallel.py)."""
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        for i in range(p):
+            carry = step_and_pass(i, carry)
+        return carry
+    return lax.fori_loop(0, p, step_and_pass, carry)
+
+
 def _ring_forward(query, key, value, mask: Mask, axis_name, score: Score):
     """Output `[B, T, N, V]` in the input dtype, and the output and log-sum-exp heads
     first and padded (`[B, K, G, Tp, V]` in the input dtype, `[B, K, G, Tp]`) for the
@@ -204,9 +219,8 @@ def _ring_forward(query, key, value, mask: Mask, axis_name, score: Score):
     lse = jnp.full(rows, MASKED, acc)
     # [B, K, 1, S, ·]
     key, value = head_major(key), head_major(value)
-    # P steps in one loop body (one copy of the kernel to compile): the last passing on
-    # returns the shards home, unused
-    out, lse = lax.fori_loop(0, p, step_and_pass, (key, value, mask.key_side(), out, lse))[3:]
+    # P steps (`_ring_steps`): the last passing on returns the shards home, unused
+    out, lse = _ring_steps(p, step_and_pass, (key, value, mask.key_side(), out, lse))[3:]
     out = out.astype(query.dtype)
     return _rows_first(out, t), out, lse
 
@@ -245,8 +259,8 @@ def _ring_backward(query, key, value, mask: Mask, axis_name, score: Score, out, 
     # [B, K, 1, S, ·]
     key, value = head_major(key), head_major(value)
     # after P steps the accumulators have come home with their shards
-    d_key, d_value, d_query = lax.fori_loop(
-        0, p, step_and_pass, (key, value, mask.key_side(), d_key, d_value, d_query))[3:]
+    d_key, d_value, d_query = _ring_steps(
+        p, step_and_pass, (key, value, mask.key_side(), d_key, d_value, d_query))[3:]
     return _rows_first(d_query, t), d_key, d_value
 
 

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -112,16 +113,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one_process(tmp_path, one_device):
+def _two_processes(workdir: Path, settings: list[str], **popen) -> list[subprocess.Popen]:
+    """The training command as processes 0 and 1 of two (one device each, gloo on
+    127.0.0.1), with the PARALLEL config and `settings`."""
     port = _free_port()
-    overrides = [arg for o in PARALLEL + ["steps=30", "eval_every=30", "checkpoint_every=10"]
-                 for arg in ("--set", o)]
-    env = children.environment(1)
-    processes = [subprocess.Popen(
-        [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path),
+    overrides = [arg for o in PARALLEL + settings for arg in ("--set", o)]
+    return [subprocess.Popen(
+        [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(workdir),
          "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-         *overrides], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
+         *overrides], env=children.environment(1), text=True, **popen) for i in range(2)]
+
+
+def test_two_processes_match_one_process(tmp_path, one_device):
+    processes = _two_processes(tmp_path, ["steps=30", "eval_every=30", "checkpoint_every=10"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         outputs = [p.communicate(timeout=240)[0] for p in processes]
     finally:
@@ -135,3 +140,31 @@ def test_two_processes_match_one_process(tmp_path, one_device):
     np.testing.assert_allclose(losses, one_device[30], rtol=0, atol=1e-5)
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
                   if p.name.isdigit()) == [10, 20, 30]
+
+
+def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path):
+    """Process 1 of two is killed mid-training: process 0 stops at its next step (not
+    after jax.distributed's shutdown barrier gives up and aborts it), exit status 1, with
+    one line that says what happened and which checkpoint is kept."""
+    # no checkpoint is due: the kill does not land in a save (which fails on its own
+    # terms, and whose process then waits at most 30 s for the others)
+    processes = _two_processes(tmp_path, ["steps=5000", "eval_every=5000",
+                                          "checkpoint_every=5000"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 12):
+            assert time.monotonic() < deadline and processes[0].poll() is None
+            time.sleep(0.2)
+        processes[1].kill()
+        _, err = processes[0].communicate(timeout=60)
+    finally:
+        for p in processes:
+            p.kill()
+    assert processes[0].returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert "lost contact with the other processes of the run" in lines[0]
+    assert lines[0].endswith("Last good checkpoint: none; start every process again to "
+                             "resume"), lines[0]

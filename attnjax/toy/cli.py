@@ -11,8 +11,8 @@
 
 Rerunning the same command in the same workdir resumes from the latest intact
 checkpoint and ends with the metrics an uninterrupted run has. One run at a time holds a
-workdir. Exit status: 0 done; 1 the run stopped (the loss became NaN/inf, or a file
-could not be written); 2 a bad config or command line, or a workdir that cannot be
+workdir. Exit status: 0 done; 1 the run stopped (the loss became NaN/inf, a file
+could not be written, or another process of the run stopped); 2 a bad config or command line, or a workdir that cannot be
 used; 130 or 143 interrupted by SIGINT or SIGTERM (saying what was saved).
 """
 
@@ -75,6 +75,17 @@ class RunFailed(RuntimeError):
 
 class TrainingDiverged(RunFailed):
     """The loss or the parameters stopped being finite; the last good checkpoint is kept."""
+
+
+class ProcessLost(RunFailed):
+    """A collective between the processes of a run failed: another process stopped or
+    cannot be reached. The message says which checkpoint is kept."""
+
+
+def _lost_contact(error: Exception) -> str:
+    """What a run of several processes says when a collective fails (jax's first line)."""
+    return (f"this process lost contact with the other processes of the run: one of them "
+            f"stopped or cannot be reached ({str(error).splitlines()[0]})")
 
 
 class Interrupted(Exception):
@@ -475,6 +486,11 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
     except (OSError, CheckpointError) as e:
         raise RunFailed(f"{e}; training stopped at step {step}. Last good checkpoint: "
                         f"{kept()}") from None
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        raise ProcessLost(f"{_lost_contact(e)}; training stopped at step {step}. Last good "
+                          f"checkpoint: {kept()}; start every process again to resume") from None
     finally:
         checkpoints.close()
         for closing in (progress, metrics):
@@ -624,6 +640,29 @@ def _initialize_distributed(args) -> None:
         raise ConfigError(f"cannot start jax.distributed: {str(e).splitlines()[0]}") from None
 
 
+def _leave_now(status: int, message: str):
+    """Print message (if any) and end the process at once. A run of several processes whose peer
+    is gone cannot exit normally: jax.distributed's shutdown at exit waits for every
+    process at a barrier, then aborts the process with a stack dump."""
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(status)
+
+
+def _leave_others_briefly(status: int, wait_s: float = 30.0) -> None:
+    """A run of several processes that failed: the others, which failed alike, meet it
+    at jax.distributed's shutdown barrier; if they have not within wait_s (one of them
+    died: a save that failed for that reason), the process ends at once."""
+    if jax.process_count() == 1:
+        return
+    shutdown = threading.Thread(target=jax.distributed.shutdown, daemon=True)
+    shutdown.start()
+    shutdown.join(wait_s)
+    if shutdown.is_alive():
+        _leave_now(status, "")
+
+
 def main(argv=None, *, early_signals=()) -> int:
     """The command line; returns the exit status. early_signals: SIGINT/SIGTERM numbers
     received before main ran (train_toy.py catches them while the libraries load)."""
@@ -651,9 +690,16 @@ def main(argv=None, *, early_signals=()) -> int:
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except ProcessLost as e:
+            _leave_now(1, f"error: {e}")
         except RunFailed as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            _leave_others_briefly(1)
             return 1
+        except jax.errors.JaxRuntimeError as e:
+            if jax.process_count() == 1:
+                raise
+            _leave_now(1, f"error: {_lost_contact(e)}")
         except Interrupted as e:
             print(e, file=sys.stderr)
             return e.exit_status

@@ -186,8 +186,8 @@ def _ring_steps(p: int, step_and_pass, carry):
     steps written out. XLA's CPU runtime runs a loop's collective-permutes alongside the
     program's collectives outside the loop, in whichever order each device reaches them;
     gloo, which carries the collectives between processes, needs one order on every
-    process, and a training step of processes that reached it seconds apart waited
-    forever (tests/test_context_parallel.py)."""
+    process: with the loop, two processes training the copy model on data=2,seq=2
+    waited forever in a step that one reached seconds after the other."""
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
         for i in range(p):
             carry = step_and_pass(i, carry)

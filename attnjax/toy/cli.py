@@ -12,8 +12,9 @@
 Rerunning the same command in the same workdir resumes from the latest intact
 checkpoint and ends with the metrics an uninterrupted run has. One run at a time holds a
 workdir. Exit status: 0 done; 1 the run stopped (the loss became NaN/inf, a file
-could not be written, or another process of the run stopped); 2 a bad config or command line, or a workdir that cannot be
-used; 130 or 143 interrupted by SIGINT or SIGTERM (saying what was saved).
+could not be written, or another process of the run stopped); 2 a bad config or command
+line, or a workdir that cannot be used; 130 or 143 interrupted by SIGINT or SIGTERM
+(saying what was saved).
 """
 
 import argparse
@@ -641,9 +642,9 @@ def _initialize_distributed(args) -> None:
 
 
 def _leave_now(status: int, message: str):
-    """Print message (if any) and end the process at once. A run of several processes whose peer
-    is gone cannot exit normally: jax.distributed's shutdown at exit waits for every
-    process at a barrier, then aborts the process with a stack dump."""
+    """Print message (if any) and end the process at once. A run of several processes
+    whose peer is gone cannot exit normally: jax.distributed's shutdown at exit waits
+    for every process at a barrier, then aborts the process with a stack dump."""
     if message:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -264,6 +264,7 @@ class StopRequests:
 
     def __init__(self, early=()):
         self.signum = early[0] if early else None
+        self.forwarded = None   # a signal passed on to the other processes of the run
         self.saved = None
         self._previous = {}
 
@@ -274,8 +275,14 @@ class StopRequests:
         return self
 
     def _request(self, signum, frame):
-        if self.signum is None:
-            self.signum = signum
+        if self.signum is None and self.forwarded is None:
+            if jax.process_count() > 1:
+                # every process must stop at the same step: jax's preemption service,
+                # which takes SIGTERM, tells them all (`sync_stop`)
+                self.forwarded = signum
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                self.signum = signum
             return
         saved = ("this run saved no checkpoint" if self.saved is None else
                  f"the last complete checkpoint is step {self.saved}")
@@ -284,6 +291,13 @@ class StopRequests:
         # Unwinding from here could stop a save or a compilation halfway; the OS frees
         # all, and the next run ignores a step that was not complete.
         os._exit(128 + signum)
+
+    def sync_stop(self, step: int) -> None:
+        """With several processes, called at every step: once one of them is told to
+        stop (SIGTERM, which jax's preemption service takes, or a signal passed on as
+        SIGTERM), all stop at the same step, the first that every process reaches."""
+        if multihost_utils.reached_preemption_sync_point(step):
+            self.signum = self.forwarded or signal.SIGTERM
 
     def stop_if_requested(self, when: str) -> None:
         """Raises Interrupted if a signal came; when: at which point, and what is saved."""
@@ -388,6 +402,7 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
 def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
            began: float, force_new: bool) -> dict:
     primary = jax.process_index() == 0
+    several = jax.process_count() > 1
 
     def warn(message: str) -> None:
         if primary:
@@ -468,6 +483,8 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
                     f"{eval_record['eval_token_accuracy']:.4f}")
                 if eval_record["eval_exact_match"] > best["exact_match"]:
                     best = {"exact_match": eval_record["eval_exact_match"], "step": step}
+            if several:
+                stop.sync_stop(step)
             if evaluate or step % config.checkpoint_every == 0:
                 # on a log step: the window is empty
                 _save(checkpoints, step, state, {"window": [], "best": best},

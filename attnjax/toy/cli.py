@@ -251,6 +251,13 @@ class _Window:
         return record
 
 
+def _stops_agreed() -> bool:
+    """Whether the processes of this run agree on the step a signal stops them at:
+    several processes, with jax's preemption service (JAX_ENABLE_PREEMPTION_SERVICE
+    unset or true). Without it each process stops on its own signals."""
+    return jax.process_count() > 1 and jax.config.jax_enable_preemption_service
+
+
 class StopRequests:
     """SIGINT and SIGTERM as requests that the run honours at its next safe point: after
     the step in progress, which it checkpoints first, or between the phases of start-up
@@ -276,7 +283,7 @@ class StopRequests:
 
     def _request(self, signum, frame):
         if self.signum is None and self.forwarded is None:
-            if jax.process_count() > 1:
+            if _stops_agreed():
                 # every process must stop at the same step: jax's preemption service,
                 # which takes SIGTERM, tells them all (`sync_stop`)
                 self.forwarded = signum
@@ -402,7 +409,7 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
 def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
            began: float, force_new: bool) -> dict:
     primary = jax.process_index() == 0
-    several = jax.process_count() > 1
+    agreed_stops = _stops_agreed()
 
     def warn(message: str) -> None:
         if primary:
@@ -483,7 +490,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
                     f"{eval_record['eval_token_accuracy']:.4f}")
                 if eval_record["eval_exact_match"] > best["exact_match"]:
                     best = {"exact_match": eval_record["eval_exact_match"], "step": step}
-            if several:
+            if agreed_stops:
                 stop.sync_stop(step)
             if evaluate or step % config.checkpoint_every == 0:
                 # on a log step: the window is empty

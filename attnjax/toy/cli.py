@@ -266,7 +266,9 @@ class StopRequests:
 
     A second signal ends the process at once, saying which checkpoint is the last
     complete one (`saved`). early: signals received before this was made (train_toy.py
-    catches them while the libraries load).
+    catches them while the libraries load). With several processes (`_stops_agreed`), a
+    signal to any of them stops all at the same step: the training loop asks jax's
+    preemption service at every step (`sync_stop`).
     """
 
     def __init__(self, early=()):

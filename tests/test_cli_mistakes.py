@@ -3,9 +3,12 @@ that never began leaves its workdir as it was (no config.yaml that would refuse 
 corrected command, no run deleted by --force-new)."""
 
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +55,10 @@ def test_an_argument_argparse_refuses_is_one_line(capsys, argv, message):
      "--coordinator must be HOST:PORT"),
     (["--coordinator", "127.0.0.1:99999", "--num-processes", "1", "--process-id", "0"],
      "--coordinator must be HOST:PORT"),
+    (["--coordinator", "127.0.0.1:12345", "--num-processes", "2", "--process-id", "0",
+      "--join-timeout", "0"], "--join-timeout must be a positive number of seconds; got 0"),
+    (["--coordinator", "127.0.0.1:12345", "--num-processes", "2", "--process-id", "1",
+      "--join-timeout", "nan"], "--join-timeout must be a positive number of seconds; got nan"),
 ])
 def test_bad_multi_process_options_exit_2_with_one_line(tmp_path, capsys, argv, message):
     assert cli.main(argv + ["--workdir", str(tmp_path / "w")]) == 2
@@ -68,6 +75,72 @@ def test_a_coordinator_named_only_in_the_environment_is_one_line(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert "error: cannot start jax.distributed: " in done.stderr
+
+
+def test_a_coordinator_port_in_use_is_one_line(tmp_path, capsys):
+    """Process 0 serves jax.distributed on the port: another program listening there
+    made jax's service fail with a segmentation fault."""
+    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as other:
+        other.bind(("::" if socket.has_ipv6 else "", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        argv = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                "--process-id", "0", "--workdir", str(tmp_path / "w")]
+        assert cli.main(argv) == 2
+    _one_line(capsys, f"error: --coordinator: process 0 cannot serve on port {port}",
+              "another program holds it")
+    assert not (tmp_path / "w").exists()
+
+
+def _waiting_alone(tmp_path, process_id: int, *flags: str) -> subprocess.Popen:
+    """The training command as one process of two whose other never starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path / "w"),
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+         str(process_id), *flags], env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_process_whose_others_never_connect_says_so_and_gives_up_in_one_line(tmp_path):
+    """A wrong port, a process not started: jax.distributed waited 300 s in silence and
+    then aborted the process with a C++ stack dump. Now the process says it waits, and
+    at --join-timeout it ends with one line and exit 1."""
+    process = _waiting_alone(tmp_path, 1, "--join-timeout", "4")
+    try:
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "Check failure" not in err, err[-3000:]
+    waiting, error = err.splitlines()
+    assert waiting.startswith("process 1 of 2: waiting for the other processes at 127.0.0.1:")
+    assert error.startswith("error: process 1 of 2 waited 4 s for the other processes")
+    assert "--join-timeout" in error
+    assert not (tmp_path / "w").exists()
+
+
+def test_ctrl_c_while_waiting_for_the_other_processes_ends_the_process_at_once(tmp_path):
+    """jax.distributed waits in C++ for every process to connect; the signal was held
+    until it gave up (300 s). It is now honoured within a moment: exit 130, one line."""
+    process = _waiting_alone(tmp_path, 0)
+    try:
+        assert select.select([process.stderr], [], [], 60)[0], "nothing said in 60 s"
+        waiting = process.stderr.readline()
+        assert waiting.startswith("process 0 of 2: waiting for the other processes"), waiting
+        process.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = process.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        process.kill()
+    assert process.returncode == 130, err[-3000:]
+    assert err == ("interrupted (SIGINT) while process 0 of 2 waited for the other "
+                   "processes; this run saved nothing\n"), err[-3000:]
+    assert took < 30, took   # (jax's own deadline is 300 + 60 s)
+    assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.parametrize("flag", ["--workdir", "--config"])

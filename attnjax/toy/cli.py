@@ -12,9 +12,9 @@
 Rerunning the same command in the same workdir resumes from the latest intact
 checkpoint and ends with the metrics an uninterrupted run has. One run at a time holds a
 workdir. Exit status: 0 done; 1 the run stopped (the loss became NaN/inf, a file
-could not be written, or another process of the run stopped); 2 a bad config or command
-line, or a workdir that cannot be used; 130 or 143 interrupted by SIGINT or SIGTERM
-(saying what was saved).
+could not be written, another process of the run stopped, or the processes did not
+all connect within --join-timeout); 2 a bad config or command line, or a workdir that
+cannot be used; 130 or 143 interrupted by SIGINT or SIGTERM (saying what was saved).
 """
 
 import argparse
@@ -28,6 +28,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -275,6 +276,7 @@ class StopRequests:
         self.signum = early[0] if early else None
         self.forwarded = None   # a signal passed on to the other processes of the run
         self.saved = None
+        self.joining = False    # waiting for the other processes of the run to connect
         self._previous = {}
 
     def __enter__(self):
@@ -285,7 +287,9 @@ class StopRequests:
 
     def _request(self, signum, frame):
         if self.signum is None and self.forwarded is None:
-            if _stops_agreed():
+            # (while the processes connect, jax's backend must not start: it would
+            # start alone)
+            if not self.joining and _stops_agreed():
                 # every process must stop at the same step: jax's preemption service,
                 # which takes SIGTERM, tells them all (`sync_stop`)
                 self.forwarded = signum
@@ -581,6 +585,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="several processes: process 0's address (jax.distributed)")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
+    parser.add_argument("--join-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="several processes: how long each waits for all to connect "
+                        "before it gives up (default 300)")
     return parser
 
 
@@ -642,14 +649,18 @@ def collect_less() -> None:
     gc.set_threshold(10_000, 10, 10)
 
 
-def _initialize_distributed(args) -> None:
+def _initialize_distributed(args, stop: "StopRequests") -> None:
     """jax.distributed for several processes (CPU collectives over gloo); also when
     only JAX's own environment variables name the coordinator."""
+    if not args.join_timeout > 0:
+        raise ConfigError(f"--join-timeout must be a positive number of seconds; got "
+                          f"{args.join_timeout:g}")
     given = [args.coordinator, args.num_processes, args.process_id]
     if all(x is None for x in given) and "JAX_COORDINATOR_ADDRESS" not in os.environ:
         return
     if any(x is None for x in given) and not all(x is None for x in given):
         raise ConfigError("--coordinator, --num-processes and --process-id go together")
+    who = "this process"
     if args.num_processes is not None:
         if args.num_processes < 1:
             raise ConfigError(f"--num-processes must be at least 1; got {args.num_processes}")
@@ -660,11 +671,77 @@ def _initialize_distributed(args) -> None:
         if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
             raise ConfigError(f"--coordinator must be HOST:PORT (process 0's address and a "
                               f"free port); got {args.coordinator!r}")
+        if args.process_id == 0 and "JAX_COORDINATOR_BIND_ADDRESS" not in os.environ:
+            _check_port_free(int(port))
+        who = f"process {args.process_id} of {args.num_processes}"
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _join(functools.partial(jax.distributed.initialize, args.coordinator, args.num_processes,
+                            args.process_id,
+                            # jax's deadline (it aborts) after this process's own
+                            initialization_timeout=int(min(args.join_timeout, 1e9)) + 60),
+          args.join_timeout, who, args.coordinator or os.environ["JAX_COORDINATOR_ADDRESS"],
+          stop)
+
+
+def _check_port_free(port: int) -> None:
+    """Process 0 serves jax.distributed on every address at port; a port another
+    program listens on makes jax's service fail with a segmentation fault."""
+    family, address = ((socket.AF_INET6, "::") if socket.has_ipv6 else
+                       (socket.AF_INET, ""))
     try:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    except ValueError as e:  # what the environment (JAX_COORDINATOR_ADDRESS...) lacks
-        raise ConfigError(f"cannot start jax.distributed: {str(e).splitlines()[0]}") from None
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            # as jax's service binds: a port whose last connections are closing is free
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((address, port))
+    except OSError as e:
+        raise ConfigError(f"--coordinator: process 0 cannot serve on port {port} "
+                          f"({e.strerror}); another program holds it: give every process "
+                          f"another free port") from None
+
+
+def _join(initialize, timeout_s: float, who: str, coordinator: str,
+          stop: "StopRequests") -> None:
+    """Runs initialize (jax.distributed's, which waits until every process has
+    connected) beside the main thread, which says after a few seconds that it waits,
+    gives up after timeout_s with one line (jax's own deadline aborts the process
+    with a stack dump), and honours SIGINT or SIGTERM meanwhile (no step ran: nothing
+    to save)."""
+    done = threading.Event()
+    failed = []
+
+    def connect():
+        try:
+            initialize()
+        except BaseException as e:  # raised again in the main thread
+            failed.append(e)
+        finally:
+            done.set()
+
+    stop.joining = True
+    began = time.monotonic()
+    threading.Thread(target=connect, daemon=True, name="jax.distributed").start()
+    said = False
+    while not done.wait(0.1):
+        waited = time.monotonic() - began
+        if stop.signum is not None:
+            _leave_now(128 + stop.signum,
+                       f"interrupted ({signal.Signals(stop.signum).name}) while {who} waited "
+                       f"for the other processes; this run saved nothing")
+        if waited >= timeout_s:
+            _leave_now(1, f"error: {who} waited {timeout_s:g} s for the other processes at "
+                          f"{coordinator}, which did not all connect: start every process "
+                          f"with the same --coordinator and --num-processes and its own "
+                          f"--process-id, or give them longer with --join-timeout")
+        if not said and waited >= 3:
+            print(f"{who}: waiting for the other processes at {coordinator} (at most "
+                  f"{timeout_s:g} s, --join-timeout)", file=sys.stderr, flush=True)
+            said = True
+    stop.joining = False
+    if failed:
+        if isinstance(failed[0], ValueError):  # what the environment lacks
+            raise ConfigError(f"cannot start jax.distributed: "
+                              f"{str(failed[0]).splitlines()[0]}") from None
+        raise failed[0]
 
 
 def _leave_now(status: int, message: str):
@@ -706,7 +783,7 @@ def main(argv=None, *, early_signals=()) -> int:
             config = load_config(args.config, overrides)
             workdir = args.workdir or Path("runs") / config.task.name
             stop.stop_if_requested(_before_training(workdir))
-            _initialize_distributed(args)
+            _initialize_distributed(args, stop)
             use_compilation_cache()
             try:
                 mesh = mesh_lib.make_mesh(None if args.mesh is None else

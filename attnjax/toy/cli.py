@@ -255,8 +255,10 @@ class _Window:
 def _stops_agreed() -> bool:
     """Whether the processes of this run agree on the step a signal stops them at:
     several processes, with jax's preemption service (JAX_ENABLE_PREEMPTION_SERVICE
-    unset or true). Without it each process stops on its own signals."""
-    return jax.process_count() > 1 and jax.config.jax_enable_preemption_service
+    unset or true). Without it each process stops on its own signals. (Asked before
+    jax.distributed started, jax.process_count would start jax's backend alone.)"""
+    return (jax.distributed.is_initialized() and jax.process_count() > 1
+            and jax.config.jax_enable_preemption_service)
 
 
 class StopRequests:

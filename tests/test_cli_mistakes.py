@@ -1,6 +1,7 @@
-"""Mistakes on the command line and in start-up: each is one line and exit 2, and a run
-that never began leaves its workdir as it was (no config.yaml that would refuse the
-corrected command, no run deleted by --force-new)."""
+"""Mistakes on the command line and in start-up: each is one line and exit 2 (processes
+of a run of several that never all connect: exit 1 once they have waited, 130 on
+Ctrl-C), and a run that never began leaves its workdir as it was (no config.yaml that
+would refuse the corrected command, no run deleted by --force-new)."""
 
 import os
 import select

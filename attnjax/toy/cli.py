@@ -651,7 +651,7 @@ def collect_less() -> None:
     gc.set_threshold(10_000, 10, 10)
 
 
-def _initialize_distributed(args, stop: "StopRequests") -> None:
+def _initialize_distributed(args, stop: StopRequests) -> None:
     """jax.distributed for several processes (CPU collectives over gloo); also when
     only JAX's own environment variables name the coordinator."""
     if not args.join_timeout > 0:
@@ -702,7 +702,7 @@ def _check_port_free(port: int) -> None:
 
 
 def _join(initialize, timeout_s: float, who: str, coordinator: str,
-          stop: "StopRequests") -> None:
+          stop: StopRequests) -> None:
     """Runs initialize (jax.distributed's, which waits until every process has
     connected) beside the main thread, which says after a few seconds that it waits,
     gives up after timeout_s with one line (jax's own deadline aborts the process

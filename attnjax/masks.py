@@ -180,13 +180,16 @@ class Shape:
     n: int
     unbatched: bool = False
 
-    def per_example(self, name: str, x, tail: tuple[int, ...], layout: str) -> Array:
+    def per_example(self, name: str, x, tail: tuple[int, ...], layout: str,
+                    count: bool = False) -> Array:
         """Integer `x` of shape `[B, *tail]` (or `tail` alone, shared by the batch;
         unbatched calls take `tail` alone) as int32 `[B|1, 1, *tail]`.
 
         Any integer dtype. Values the int32 rules cannot hold are an error when they are
         known (outside jit); traced ones saturate at int32's bounds, which is exact for
-        lengths (any length past the sequence means all of it)."""
+        lengths (any length past the sequence means all of it). count: x counts
+        positions (a length), so a known negative value is an error too; a traced one
+        means none, as 0 does."""
         low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
         if isinstance(x, jax.core.Tracer):
             if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -207,6 +210,9 @@ class Shape:
             if bad is not None:
                 raise ValueError(f"{name} must lie in int32's range [{low}, {high}]; got "
                                  f"{bad} (dtype {known.dtype})")
+            if count and known.size and known.min() < 0:
+                raise ValueError(f"{name} must be non-negative (a number of positions); "
+                                 f"got {known.min()}")
             x = known
         x = jnp.asarray(x).astype(jnp.int32)
         batched = () if self.unbatched else (self.b,)
@@ -350,7 +356,7 @@ class Prefix(Rule):
                                 blocks.shape())
 
     def bind(self, shape):
-        return Prefix(shape.per_example("prefix length", self.length, (), "[B]"))
+        return Prefix(shape.per_example("prefix length", self.length, (), "[B]", count=True))
 
 
 @_pytree.dataclass(data=("query", "key"))
@@ -384,7 +390,7 @@ class Lengths(Rule):
         return jnp.broadcast_to(_classes(every, none), blocks.shape())
 
     def bind(self, shape):
-        bound = [None if x is None else shape.per_example(name, x, (), "[B]")
+        bound = [None if x is None else shape.per_example(name, x, (), "[B]", count=True)
                  for name, x in (("query lengths", self.query), ("key lengths", self.key))]
         return Lengths(*bound)
 

@@ -105,6 +105,11 @@ MISTAKES = [
     ("positions_uint64", lambda: dpa(q, k, v, is_causal=True, positions=(
         np.arange(T, dtype=np.uint64) + 2**63, np.arange(S, dtype=np.uint64))), ValueError,
      r"query positions must lie in int32's range"),
+    # lengths that count no position: refused when known (under jit, none, as 0)
+    ("lengths_negative", lambda: dpa(q, k, v, key_lengths=np.array([3, -2])), ValueError,
+     r"key lengths must be non-negative \(a number of positions\); got -2"),
+    ("prefix_negative", lambda: dpa(q, k, v, mask=masks.causal() | masks.prefix(-1)),
+     ValueError, r"prefix length must be non-negative \(a number of positions\); got -1"),
     # empty axes
     ("empty_batch", lambda: dpa(q[:0], k[:0], v[:0]), ValueError,
      r"query, key and value must not be empty; got B=0 in query \[0, 5, 6, 4\]"),

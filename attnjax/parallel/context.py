@@ -168,7 +168,7 @@ def _shardable(rule, shape: masks.Shape, order_q, order_k):
             if lengths is None:
                 return jnp.zeros((shape.b, order.size), jnp.int32)
             # [B|1, 1]
-            lengths = shape.per_example("lengths", lengths, (), "[B]")
+            lengths = shape.per_example("lengths", lengths, (), "[B]", count=True)
             return jnp.broadcast_to(jnp.where(order[None] < lengths, 0, padding),
                                     (shape.b, order.size)).astype(jnp.int32)
         return masks.Segments(ids(rule.query, order_q, -1), ids(rule.key, order_k, -2))

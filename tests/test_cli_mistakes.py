@@ -88,8 +88,8 @@ def test_a_coordinator_port_in_use_is_one_line(tmp_path, capsys):
         argv = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                 "--process-id", "0", "--workdir", str(tmp_path / "w")]
         assert cli.main(argv) == 2
-    _one_line(capsys, f"error: --coordinator: process 0 cannot serve on port {port}",
-              "another program holds it")
+    _one_line(capsys, f"error: --coordinator: process 0 cannot serve on port {port} "
+              f"(Address already in use): give every process a port that is free")
     assert not (tmp_path / "w").exists()
 
 

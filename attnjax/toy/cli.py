@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import fcntl
 import functools
 import gc
@@ -687,18 +688,21 @@ def _initialize_distributed(args, stop: StopRequests) -> None:
 
 def _check_port_free(port: int) -> None:
     """Process 0 serves jax.distributed on every address at port; a port another
-    program listens on makes jax's service fail with a segmentation fault."""
-    family, address = ((socket.AF_INET6, "::") if socket.has_ipv6 else
-                       (socket.AF_INET, ""))
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            # as jax's service binds: a port whose last connections are closing is free
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((address, port))
-    except OSError as e:
-        raise ConfigError(f"--coordinator: process 0 cannot serve on port {port} "
-                          f"({e.strerror}); another program holds it: give every process "
-                          f"another free port") from None
+    program listens on (or one this user may not serve on) made jax's service fail with
+    a segmentation fault. Probed as jax binds, on IPv6 and IPv4 ("[::]") where the
+    machine has IPv6, else on IPv4; where neither can be probed, jax is left to try."""
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                # as jax's service binds: a port whose last connections are closing is free
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((address, port))
+            return
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise ConfigError(f"--coordinator: process 0 cannot serve on port {port} "
+                                  f"({e.strerror}): give every process a port that is "
+                                  f"free") from None
 
 
 def _join(initialize, timeout_s: float, who: str, coordinator: str,

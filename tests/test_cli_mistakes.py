@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 from attnjax.toy import cli
@@ -142,6 +143,23 @@ def test_ctrl_c_while_waiting_for_the_other_processes_ends_the_process_at_once(t
                    "processes; this run saved nothing\n"), err[-3000:]
     assert took < 30, took   # (jax's own deadline is 300 + 60 s)
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("started, joining", [(False, False), (True, True)])
+def test_a_signal_before_the_processes_have_connected_leaves_jax_s_backend_alone(
+        monkeypatch, started, joining):
+    """Before jax.distributed has started (or while its processes connect), a signal is
+    recorded for the start-up's next check; asking jax.process_count then, to know
+    whether the processes must agree on the stop, would start jax's backend alone."""
+    def backend_started():
+        raise AssertionError("jax.process_count was called")
+
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: started)
+    monkeypatch.setattr(jax, "process_count", backend_started)
+    stop = cli.StopRequests()
+    stop.joining = joining
+    stop._request(signal.SIGINT, None)
+    assert stop.signum == signal.SIGINT and stop.forwarded is None
 
 
 @pytest.mark.parametrize("flag", ["--workdir", "--config"])

@@ -688,9 +688,9 @@ def _initialize_distributed(args, stop: StopRequests) -> None:
 
 def _check_port_free(port: int) -> None:
     """Process 0 serves jax.distributed on every address at port; a port another
-    program listens on (or one this user may not serve on) made jax's service fail with
-    a segmentation fault. Probed as jax binds, on IPv6 and IPv4 ("[::]") where the
-    machine has IPv6, else on IPv4; where neither can be probed, jax is left to try."""
+    program listens on made jax's service end in a segmentation fault (a port this user
+    may not serve on is refused alike). Probed as jax binds, on IPv6 and IPv4 ("[::]")
+    where the machine has IPv6, else on IPv4; where neither can be probed, jax tries."""
     for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
         try:
             with socket.socket(family, socket.SOCK_STREAM) as probe:

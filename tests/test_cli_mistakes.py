@@ -94,23 +94,32 @@ def test_a_coordinator_port_in_use_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "w").exists()
 
 
-def _waiting_alone(tmp_path, process_id: int, *flags: str) -> subprocess.Popen:
+def _waiting_alone(tmp_path, process_id: int, *flags: str,
+                   host: str = "127.0.0.1") -> subprocess.Popen:
     """The training command as one process of two whose other never starts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return subprocess.Popen(
         [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path / "w"),
-         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+         "--coordinator", f"{host}:{port}", "--num-processes", "2", "--process-id",
          str(process_id), *flags], env=dict(os.environ, PYTHONUNBUFFERED="1"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_a_process_whose_others_never_connect_says_so_and_gives_up_in_one_line(tmp_path):
-    """A wrong port, a process not started: jax.distributed waited 300 s in silence and
-    then aborted the process with a C++ stack dump. Now the process says it waits, and
-    at --join-timeout it ends with one line and exit 1."""
-    process = _waiting_alone(tmp_path, 1, "--join-timeout", "4")
+@pytest.mark.parametrize("host, why", [
+    ("127.0.0.1", "which did not all connect: start every process"),
+    # a name that never resolves (RFC 2606)
+    ("nosuchhost.invalid", "which did not all connect (nosuchhost.invalid does not "
+                           "resolve: "),
+])
+def test_a_process_whose_others_never_connect_says_so_and_gives_up_in_one_line(tmp_path,
+                                                                               host, why):
+    """A wrong port or host, a process not started: jax.distributed waited 300 s in
+    silence and then aborted the process with a C++ stack dump. Now the process says it
+    waits, and at --join-timeout it ends with one line and exit 1, naming a host that
+    does not resolve."""
+    process = _waiting_alone(tmp_path, 1, "--join-timeout", "4", host=host)
     try:
         out, err = process.communicate(timeout=60)
     finally:
@@ -118,9 +127,9 @@ def test_a_process_whose_others_never_connect_says_so_and_gives_up_in_one_line(t
     assert process.returncode == 1, err[-3000:]
     assert "Traceback" not in err and "Check failure" not in err, err[-3000:]
     waiting, error = err.splitlines()
-    assert waiting.startswith("process 1 of 2: waiting for the other processes at 127.0.0.1:")
+    assert waiting.startswith(f"process 1 of 2: waiting for the other processes at {host}:")
     assert error.startswith("error: process 1 of 2 waited 4 s for the other processes")
-    assert "--join-timeout" in error
+    assert why in error and error.endswith("or give them longer with --join-timeout")
     assert not (tmp_path / "w").exists()
 
 

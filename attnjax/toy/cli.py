@@ -735,9 +735,10 @@ def _join(initialize, timeout_s: float, who: str, coordinator: str,
                        f"for the other processes; this run saved nothing")
         if waited >= timeout_s:
             _leave_now(1, f"error: {who} waited {timeout_s:g} s for the other processes at "
-                          f"{coordinator}, which did not all connect: start every process "
-                          f"with the same --coordinator and --num-processes and its own "
-                          f"--process-id, or give them longer with --join-timeout")
+                          f"{coordinator}, which did not all connect{_unresolved(coordinator)}: "
+                          f"start every process with the same --coordinator and "
+                          f"--num-processes and its own --process-id, or give them longer "
+                          f"with --join-timeout")
         if not said and waited >= 3:
             print(f"{who}: waiting for the other processes at {coordinator} (at most "
                   f"{timeout_s:g} s, --join-timeout)", file=sys.stderr, flush=True)
@@ -748,6 +749,18 @@ def _join(initialize, timeout_s: float, who: str, coordinator: str,
             raise ConfigError(f"cannot start jax.distributed: "
                               f"{str(failed[0]).splitlines()[0]}") from None
         raise failed[0]
+
+
+def _unresolved(coordinator: str) -> str:
+    """" (HOST does not resolve: why)" where the coordinator's host name has no
+    address, else "". (Asked only once the processes have given up: in a cluster the
+    coordinator's name may resolve only once its process has started.)"""
+    host = coordinator.rpartition(":")[0].strip("[]")
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:
+        return f" ({host} does not resolve: {e.strerror})"
+    return ""
 
 
 def _leave_now(status: int, message: str):

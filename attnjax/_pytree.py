@@ -7,9 +7,38 @@ import jax
 
 def dataclass(*, data: tuple[str, ...] = (), meta: tuple[str, ...] = ()):
     """`@dataclass(data=(...), meta=(...))`: a frozen dataclass whose `data` fields are
-    pytree children (arrays, or None) and whose `meta` fields are static (hashable)."""
+    pytree children (arrays, or None) and whose `meta` fields are static (hashable).
+
+    Registered as a custom node whose static part holds the class itself. (jax's
+    `register_dataclass` makes treedefs that compare equal across classes of the same
+    fields: `Causal()` and `Everything()`, `a & b` and `a | b`. jit's cache, which
+    finds an entry by a partial hash and then by equality, could then run the program
+    of one mask for another: a call without a mask once returned causal attention.)
+    """
     def register(cls):
         cls = dataclasses.dataclass(frozen=True)(cls)
-        return jax.tree_util.register_dataclass(cls, data_fields=list(data),
-                                                meta_fields=list(meta))
+        fields = {field.name for field in dataclasses.fields(cls)}
+        if fields != set(data + meta):
+            raise TypeError(f"{cls.__name__}: data and meta must name its fields "
+                            f"{sorted(fields)}; got {sorted(data + meta)}")
+        keys = tuple(jax.tree_util.GetAttrKey(name) for name in data)
+
+        def flatten_with_keys(x):
+            return (tuple(zip(keys, (getattr(x, name) for name in data))),
+                    (cls, *(getattr(x, name) for name in meta)))
+
+        def flatten(x):
+            return (tuple(getattr(x, name) for name in data),
+                    (cls, *(getattr(x, name) for name in meta)))
+
+        def unflatten(static, children):
+            # as jax rebuilds a dataclass: the fields set, __init__ not run (children
+            # may be placeholders)
+            x = object.__new__(cls)
+            for name, value in zip(data + meta, (*children, *static[1:])):
+                object.__setattr__(x, name, value)
+            return x
+
+        jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+        return cls
     return register

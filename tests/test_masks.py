@@ -924,3 +924,36 @@ def test_check_grads_with_a_score_mod_and_sinks(implementation):
 
     jax.test_util.check_grads(jax.jit(fn), (q, key, value, sinks, slopes, u), order=1,
                               modes=("rev",))
+
+
+def test_masks_of_different_rules_have_different_tree_structures():
+    """jit finds its compiled program by the arguments' tree structure: a partial hash,
+    then equality. With jax's register_dataclass, Causal() and Everything() (and a & b,
+    a | b) had equal structures, and a suite run once got causal attention from a call
+    without a mask. Every pair of distinct rules, and the score specs and options, must
+    differ; equal rules must not."""
+    lengths, ids = jnp.array([3, 5]), jnp.zeros((2, 6), jnp.int32)
+    rules = {
+        "everything": masks.everything(), "causal": masks.causal(),
+        "window": masks.window(2, 0), "chunked": masks.chunked_causal(2),
+        "prefix": masks.prefix(lengths), "lengths": masks.lengths(lengths, lengths),
+        "segments": masks.segments(ids, ids),
+        "from_array": masks.from_array(jnp.ones((6, 6), bool)),
+        "and": masks.causal() & masks.window(2, 0),
+        "or": masks.causal() | masks.window(2, 0),
+    }
+    structures = {name: jax.tree.structure(m) for name, m in rules.items()}
+    for a, sa in structures.items():
+        for b, sb in structures.items():
+            assert (sa == sb) == (a == b), (a, b, sa, sb)
+    assert jax.tree.structure(masks.causal()) == jax.tree.structure(masks.causal())
+    # a call without a mask, then a causal one, on one compiled function: each its own
+    q, k, v = (jax.random.normal(key, (1, 5, 2, 4), jnp.float32)
+               for key in jax.random.split(jax.random.key(7), 3))
+    run = jax.jit(lambda mask: attnjax.dot_product_attention(q, k, v, mask=mask))
+    plain, causal = run(masks.everything()), run(masks.causal())
+    np.testing.assert_allclose(plain, attnjax.dot_product_attention(q, k, v), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(causal, attnjax.dot_product_attention(q, k, v, is_causal=True),
+                               rtol=1e-5, atol=1e-6)
+    assert not np.allclose(plain, causal, rtol=1e-2)

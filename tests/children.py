@@ -1,6 +1,8 @@
-"""The environment of the command-line runs the tests start."""
+"""The environment of the command-line runs the tests start, and a free port for the
+coordinator of a run of several processes."""
 
 import os
+import socket
 
 
 def environment(devices: int | None, **extra: str) -> dict[str, str]:
@@ -12,3 +14,10 @@ def environment(devices: int | None, **extra: str) -> dict[str, str]:
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     return dict(os.environ, XLA_FLAGS=" ".join(flags), **extra)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -18,6 +18,7 @@ import pytest
 from attnjax.toy import cli
 from attnjax.toy import train as training
 from attnjax.toy.config import dump_config, load_config
+from tests import children
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["task.num_symbols=5", "task.min_len=1", "task.max_len=6", "task.eval_size=20",
@@ -97,9 +98,7 @@ def test_a_coordinator_port_in_use_is_one_line(tmp_path, capsys):
 def _waiting_alone(tmp_path, process_id: int, *flags: str,
                    host: str = "127.0.0.1") -> subprocess.Popen:
     """The training command as one process of two whose other never starts."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = children.free_port()
     return subprocess.Popen(
         [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path / "w"),
          "--coordinator", f"{host}:{port}", "--num-processes", "2", "--process-id",

@@ -26,7 +26,6 @@ from attnjax.toy import train as training
 from attnjax.toy.config import ConfigError, dump_config, load_config
 from tests import children, training_run
 from tests.numerics import as_users_run
-from tests.test_parallel import _free_port
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
                                 "sets --xla_force_host_platform_device_count=4)")
@@ -234,7 +233,7 @@ def test_two_processes_match_one_device(tmp_path, one_device):
     across the processes; every process sees the losses of a one-device run."""
     config = tmp_path / "config.yaml"
     config.write_text(dump_config(_config("decoder_only_packed")), encoding="utf-8")
-    port = _free_port()
+    port = children.free_port()
     env = children.environment(2)
     processes = [subprocess.Popen(
         [sys.executable, "-m", "tests.training_run", str(config), "data=2,seq=2",

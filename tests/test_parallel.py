@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -109,16 +108,10 @@ def test_mesh_errors():
                 mesh=mesh_lib.make_mesh(devices=jax.devices()[:4]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_processes(workdir: Path, settings: list[str], **popen) -> list[subprocess.Popen]:
     """The training command as processes 0 and 1 of two (one device each, gloo on
     127.0.0.1), with the PARALLEL config and `settings`."""
-    port = _free_port()
+    port = children.free_port()
     overrides = [arg for o in PARALLEL + settings for arg in ("--set", o)]
     return [subprocess.Popen(
         [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(workdir),

@@ -752,9 +752,9 @@ def _join(initialize, timeout_s: float, who: str, coordinator: str,
 
 
 def _unresolved(coordinator: str) -> str:
-    """" (HOST does not resolve: why)" where the coordinator's host name has no
-    address, else "". (Asked only once the processes have given up: in a cluster the
-    coordinator's name may resolve only once its process has started.)"""
+    """The words `" (HOST does not resolve: why)"` where the coordinator's host name
+    has no address, else "". (Asked only once the processes have given up: in a cluster
+    the coordinator's name may resolve only once its process has started.)"""
     host = coordinator.rpartition(":")[0].strip("[]")
     try:
         socket.getaddrinfo(host, None)

@@ -9,7 +9,9 @@ queries sit, and `visible` turns that into the Mask the engine reads — the fil
 by positions, never a T×S array — so a long cache decodes on the chunked kernel too.
 """
 
+import contextlib
 import logging
+import threading
 from typing import NamedTuple
 
 import jax
@@ -19,6 +21,23 @@ from jax import lax
 from attnjax import _checks, masks
 
 _LOG = logging.getLogger("attnjax")
+_SIZED = threading.local()
+
+
+@contextlib.contextmanager
+def sized_for_every_append():
+    """Tracing inside: the caller sized every cache for all the appends it will make
+    (attnjax's own decoding loops do), so a traced append skips its overrun check.
+
+    That check's host callback would keep the whole program out of jax's persistent
+    compilation cache (jax never stores a program that calls the host): every run of
+    the training command compiled its decoding loop afresh, 2 s of the default run."""
+    before = getattr(_SIZED, "on", False)
+    _SIZED.on = True
+    try:
+        yield
+    finally:
+        _SIZED.on = before
 
 
 class Appended(NamedTuple):
@@ -72,9 +91,13 @@ def check_room(start, new: int, capacity: int) -> None:
     surface as an XLA INTERNAL error: the overrun is logged instead (logger "attnjax",
     ERROR, on stderr by default), and the write stays inside the cache (XLA clamps the
     update to the last slots), so the step's output is finite but no longer that of
-    the sequence. Size the cache for the longest sequence."""
+    the sequence. Size the cache for the longest sequence. (Not checked while tracing
+    inside `sized_for_every_append`.)"""
     message = "KV cache overrun: {} new tokens at position {} exceed the cache length {}"
     if isinstance(start, jax.core.Tracer):
+        if getattr(_SIZED, "on", False):
+            return
+
         def report(position):
             if int(position) + new > capacity:
                 _LOG.error(message.format(new, int(position), capacity)

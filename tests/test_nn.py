@@ -224,6 +224,39 @@ def test_a_step_within_the_cache_does_not_call_the_host(rng):
     assert in_cond == [True]
 
 
+def test_decoding_loops_call_no_host_so_jax_can_cache_their_programs(rng):
+    """greedy_decode and generate size their caches for every token they append, so
+    their steps leave out the overrun check: its host callback kept their programs out
+    of jax's persistent compilation cache, and every run of the training command compiled
+    its evaluation afresh. A step outside them still checks."""
+    model = nn.Transformer(_transformer())
+    src = _tokens(rng, B, S, 11)
+    params = _init(model, rng, src, src[:, :3])["params"]
+    lengths = jnp.array([S, 3], jnp.int32)
+    decoder_only = nn.DecoderOnly(nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2,
+                                                       d_ff=24, max_len=20))
+    prompt = _tokens(jax.random.fold_in(rng, 1), B, 4, 13)
+    lm_params = _init(decoder_only, rng, prompt)["params"]
+    loops = {
+        "greedy_decode": jax.make_jaxpr(lambda p, s, n: nn.greedy_decode(
+            model, p, s, n, max_len=T, bos_id=1, eos_id=2))(params, src, lengths),
+        "generate": jax.make_jaxpr(lambda p, x: nn.generate(
+            decoder_only, p, x, max_new_tokens=5))(lm_params, prompt),
+    }
+    for name, jaxpr in loops.items():
+        primitives = {eqn.primitive.name for eqn, _ in _equations(jaxpr.jaxpr, "while")}
+        assert primitives & {"while", "scan"}, name    # the loop was looked into
+        assert "debug_callback" not in primitives, name
+    # the check is back for a step the caller drives (sized_for_every_append ended)
+    module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True)
+    x = _x(rng, B, 4, D)
+    variables = _init(module, rng, x)
+    step = jax.make_jaxpr(lambda cache, x: module.apply(
+        {"params": variables["params"], **cache}, x, mutable=["cache"]))(
+        {"cache": variables["cache"]}, x[:, :1])
+    assert "debug_callback" in {eqn.primitive.name for eqn, _ in _equations(step.jaxpr, "cond")}
+
+
 def _loop_bodies(program: str) -> str:
     """The text of the while loops' bodies in a compiled HLO module."""
     bodies = set(re.findall(r"body=%?([\w.\-]+)", program))

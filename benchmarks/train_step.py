@@ -1,6 +1,6 @@
 """A training step of multi-head attention: attnjax against flax, on the same machine.
 
-    python benchmarks/train_step.py [--repeats 21]
+    python benchmarks/train_step.py [--repeats 21] [--max-length 4096] [--only-model]
 
 The step is the loss of one `MultiHeadDotProductAttention` layer (causal self-attention,
 a sum of squares of its output against fresh random targets) and its gradients with
@@ -149,6 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--only-model", action="store_true", help="time the whole copy-model step only")
+    parser.add_argument("--max-length", type=int, default=SHAPES[-1][1],
+                        help="time only the shapes of at most this T (default: all)")
     args = parser.parse_args()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, float32; "
           f"median of {args.repeats} interleaved steps")
@@ -158,7 +160,7 @@ def main() -> None:
           "compile s attnjax / flax |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     dense_cls = functools.partial(nn.MultiHeadDotProductAttention, implementation="dense")
-    for shape in [] if args.only_model else SHAPES:
+    for shape in [] if args.only_model else [s for s in SHAPES if s[1] <= args.max_length]:
         b, t, _, n = shape
         kernel = attention_module._auto_kernel(b, t, t, n)
         # the dense kernel where the chunked one is picked for a grid dense can take (at

@@ -12,7 +12,11 @@ with compute of their own the plain ring takes half a step (its own shard) and P
 whole ones, the balanced ring P half steps: 2 − 1/P times faster (1.75× for P = 4);
 emulated devices sharing a CPU's cores add up everyone's work instead, and show
 little. So the benchmark also times each device's step alone and sums, over the
-steps, the slowest device's.
+steps, the slowest device's, and compares that with the wall clock: about 1 where the
+emulated devices ran side by side as devices of their own would (a machine with
+several cores per device: XLA's CPU runtime runs the devices concurrently, and the
+ring's many small block products keep each on few threads), well above 1 where they
+share the cores (2 cores for 4 devices).
 
 Memory is XLA's compiled temporary allocation per device
 (`memory_analysis().temp_size_in_bytes` of the SPMD program, which is per device), with
@@ -24,38 +28,15 @@ ring's overhead on the same total work, not a speed-up.
 Three masks: none, causal, and causal over 8 packed documents of uneven lengths
 (`segment_ids`; their boundaries cross the shards).
 
-On a machine of at least 4 cores, `--core-per-device` gives each emulated device a core
-of its own: XLA's intra-op threads are turned off, so each device computes on one
-thread and XLA's CPU runtime runs the 4 devices side by side. The wall clock then
-measures the balance itself (the per-step model is skipped), and a first line checks
-the premise: the same work on 4 devices at once takes as long as on one alone.
-
     python benchmarks/ring.py [--length 16384] [--repeats 3] [--only-balance]
-                              [--core-per-device]
 """
 
-import argparse
 import os
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--length", type=int, default=16384)
-parser.add_argument("--heads", type=int, default=8)
-parser.add_argument("--head-dim", type=int, default=64)
-parser.add_argument("--repeats", type=int, default=3)
-parser.add_argument("--only-balance", action="store_true",
-                    help="the balance and per-device memory tables only")
-parser.add_argument("--core-per-device", action="store_true",
-                    help="each emulated device computes on one core of its own (needs 4 cores)")
-# Parsed before jax is imported: the flags below are read when its CPU backend starts.
-ARGS = parser.parse_args()
-CORES = len(os.sched_getaffinity(0))
-if ARGS.core_per_device and CORES < 4:
-    parser.error(f"--core-per-device needs at least 4 cores, one per device; this process "
-                 f"may run on {CORES}")
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]
-    + ["--xla_cpu_multi_thread_eigen=false"] * ARGS.core_per_device).strip()
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]).strip()
 
+import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -86,7 +67,15 @@ def temp_mib(fn, args, **jit_kwargs) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / MIB
 
 
-def main(args):
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only-balance", action="store_true",
+                        help="the balance and per-device memory tables only")
+    args = parser.parse_args()
     t, n, h = args.length, args.heads, args.head_dim
     devices = jax.devices()[:4]
     mesh = Mesh(np.asarray(devices), ("seq",))
@@ -94,16 +83,10 @@ def main(args):
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, d_out = (jax.random.normal(key, (1, t, n, h), jnp.float32) for key in keys)
     on_mesh = [jax.device_put(x, sharded) for x in (q, k, v, d_out)]
-    threads = "one thread each" if args.core_per_device else "sharing them"
-    print(f"B=1 T=S={t} N={n} H={h} float32, {len(devices)} {devices[0].platform} devices "
-          f"on {CORES} cores, {threads}, jax {jax.__version__}\n")
-    if args.core_per_device:
-        alone, together = side_by_side(devices, args.repeats)
-        print(f"The same work on 1 device alone: {alone * 1e3:.0f} ms; on each of "
-              f"{len(devices)} at once: {together * 1e3:.0f} ms ({together / alone:.2f}; "
-              f"1.00 when every device has a core of its own)\n")
+    print(f"B=1 T=S={t} N={n} H={h} float32, {len(devices)} {devices[0].platform} devices, "
+          f"jax {jax.__version__}\n")
 
-    balance(q, k, v, d_out, mesh, args.repeats, per_step_model=not args.core_per_device)
+    balance(q, k, v, d_out, mesh, args.repeats)
     model_memory(t, devices)
     if args.only_balance:
         return
@@ -153,31 +136,9 @@ def main(args):
               f"{times['ring'] / times['chunked']:.2f} |", flush=True)
 
 
-def side_by_side(devices, repeats: int) -> tuple[float, float]:
-    """Seconds of one device's work alone, and of the same work on every device at once
-    (a chain of [1024, 1024] matrix products each, about as long as a ring step)."""
-    x = jax.random.normal(jax.random.key(1), (len(devices), 1024, 1024), jnp.float32)
-
-    def work(a):
-        for _ in range(8):
-            a = jnp.tanh(a @ a)
-        return a
-
-    times = []
-    for count in (1, len(devices)):
-        mesh = Mesh(np.asarray(devices[:count]), ("seq",))
-        spec = PartitionSpec("seq")
-        fn = jax.jit(jax.shard_map(work, mesh=mesh, in_specs=spec, out_specs=spec))
-        arg = jax.device_put(x[:count], NamedSharding(mesh, spec))
-        times.append(median_times({"work": fn}, (arg,), repeats=2 * repeats + 1,
-                                  warmup=1)["work"])
-    return times[0], times[1]
-
-
-def balance(q, k, v, d_out, mesh, repeats: int, per_step_model: bool):
+def balance(q, k, v, d_out, mesh, repeats: int):
     """The causal ring, zig-zag against contiguous, on shards laid out once; per-device
-    temporary memory against one device holding the whole sequence. per_step_model:
-    also time each device's ring step alone (for devices that share cores)."""
+    temporary memory against one device holding the whole sequence."""
     p = mesh.shape["seq"]
     t = q.shape[1]
     spec = PartitionSpec(None, "seq", None, None)
@@ -199,39 +160,18 @@ def balance(q, k, v, d_out, mesh, repeats: int, per_step_model: bool):
           f"(contiguous), median of {repeats} interleaved calls\n")
     print("| pass | plain ring | balanced ring | plain / balanced |")
     print("|---|---:|---:|---:|")
+    walls = {}
     for name, wrap, count in (("fwd", lambda f: f, 3), ("fwd+bwd", with_grad, 4)):
-        times = median_times({layout: jax.jit(wrap(ring_fn(layout)))
-                              for layout in ("contiguous", "zigzag")},
-                             tuple(inputs[:count]), repeats=repeats, warmup=1)
+        times = walls[name] = median_times({layout: jax.jit(wrap(ring_fn(layout)))
+                                            for layout in ("contiguous", "zigzag")},
+                                           tuple(inputs[:count]), repeats=repeats, warmup=1)
         print(f"| {name} | {times['contiguous'] * 1e3:.0f} ms | {times['zigzag'] * 1e3:.0f} ms "
               f"| {times['contiguous'] / times['zigzag']:.2f}× |", flush=True)
 
-    if per_step_model:
-        slowest_device_paths(q, k, v, p, repeats)
-
-    one = jax.devices()[:1]
-    one_mesh = Mesh(np.asarray(one), ("seq",))
-    whole = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, d_out)]
-    chunked = lambda q, k, v: attnjax.dot_product_attention(  # noqa: E731
-        q, k, v, is_causal=True, implementation="chunked")
-    print(f"\nPer-device attention temporaries (XLA memory_analysis), causal T=S={t}:\n")
-    print(f"| pass | balanced ring, {p} devices | chunked, 1 device | ring, 1 device | "
-          f"ring / chunked | ring / ring on 1 |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, wrap, count in (("fwd", lambda f: f, 3), ("fwd+bwd", with_grad, 4)):
-        ring_mib = temp_mib(wrap(ring_fn("zigzag")), inputs[:count])
-        chunked_mib = temp_mib(wrap(chunked), whole[:count])
-        one_mib = temp_mib(wrap(ring_fn("zigzag", one_mesh)), whole[:count])
-        print(f"| {name} | {ring_mib:.1f} MiB | {chunked_mib:.1f} MiB | {one_mib:.1f} MiB | "
-              f"{ring_mib / chunked_mib:.2f} | {ring_mib / one_mib:.2f} |", flush=True)
-
-
-def slowest_device_paths(q, k, v, p: int, repeats: int):
-    """Each ring step waits for its slowest device: on devices of their own the ring
-    takes the sum over steps of the slowest device's step. Each (device, step) pair is
-    timed alone on one device: the ring's own step (`ring.visit_shard`), its queries
-    against the visiting shard at the layout's positions (skipped when it sees none)."""
-    t = q.shape[1]
+    # Each ring step waits for its slowest device: on devices of their own the ring
+    # takes the sum over steps of the slowest device's step. Each (device, step) pair is
+    # timed alone on one device: the ring's own step (`ring.visit_shard`), its queries
+    # against the visiting shard at the layout's positions (skipped when it sees none).
     shard, n, h = t // p, q.shape[2], q.shape[3]
 
     @jax.jit
@@ -262,6 +202,26 @@ def slowest_device_paths(q, k, v, p: int, repeats: int):
         print(f"| {layout} | {table} | {paths[layout] * 1e3:.0f} ms |", flush=True)
     print(f"\nbalanced ring {paths['contiguous'] / paths['zigzag']:.2f}× faster than the "
           f"plain ring on devices of their own")
+    print(f"forward wall clock / sum of slowest: plain "
+          f"{walls['fwd']['contiguous'] / paths['contiguous']:.2f}, balanced "
+          f"{walls['fwd']['zigzag'] / paths['zigzag']:.2f} (about 1: the emulated devices "
+          f"ran side by side as devices of their own; well above 1: they shared cores)")
+
+    one = jax.devices()[:1]
+    one_mesh = Mesh(np.asarray(one), ("seq",))
+    whole = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, d_out)]
+    chunked = lambda q, k, v: attnjax.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, implementation="chunked")
+    print(f"\nPer-device attention temporaries (XLA memory_analysis), causal T=S={t}:\n")
+    print(f"| pass | balanced ring, {p} devices | chunked, 1 device | ring, 1 device | "
+          f"ring / chunked | ring / ring on 1 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, wrap, count in (("fwd", lambda f: f, 3), ("fwd+bwd", with_grad, 4)):
+        ring_mib = temp_mib(wrap(ring_fn("zigzag")), inputs[:count])
+        chunked_mib = temp_mib(wrap(chunked), whole[:count])
+        one_mib = temp_mib(wrap(ring_fn("zigzag", one_mesh)), whole[:count])
+        print(f"| {name} | {ring_mib:.1f} MiB | {chunked_mib:.1f} MiB | {one_mib:.1f} MiB | "
+              f"{ring_mib / chunked_mib:.2f} | {ring_mib / one_mib:.2f} |", flush=True)
 
 
 def fastest(fn, args, repeats: int) -> float:
@@ -318,4 +278,4 @@ def packed_ids(length: int, documents: int):
                        jnp.int32)
 
 if __name__ == "__main__":
-    main(ARGS)
+    main()

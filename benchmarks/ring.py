@@ -13,10 +13,9 @@ whole ones, the balanced ring P half steps: 2 − 1/P times faster (1.75× for P
 emulated devices sharing a CPU's cores add up everyone's work instead, and show
 little. So the benchmark also times each device's step alone and sums, over the
 steps, the slowest device's, and compares that with the wall clock: about 1 where the
-emulated devices ran side by side as devices of their own would (a machine with
-several cores per device: XLA's CPU runtime runs the devices concurrently, and the
-ring's many small block products keep each on few threads), well above 1 where they
-share the cores (2 cores for 4 devices).
+emulated devices ran side by side as devices of their own would (XLA's CPU runtime
+runs the devices concurrently: 1.02 on 16 cores), well above 1 where they share the
+cores (2 cores for 4 devices).
 
 Memory is XLA's compiled temporary allocation per device
 (`memory_analysis().temp_size_in_bytes` of the SPMD program, which is per device), with

@@ -160,7 +160,7 @@ def main() -> None:
           "compile s attnjax / flax |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     dense_cls = functools.partial(nn.MultiHeadDotProductAttention, implementation="dense")
-    for shape in [] if args.only_model else [s for s in SHAPES if s[1] <= args.max_length]:
+    for shape in [] if args.only_model else [size for size in SHAPES if size[1] <= args.max_length]:
         b, t, _, n = shape
         kernel = attention_module._auto_kernel(b, t, t, n)
         # the dense kernel where the chunked one is picked for a grid dense can take (at

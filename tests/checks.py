@@ -1,7 +1,9 @@
-"""jaxtyping's run-time checks switched off, for the tests of attnjax's own messages."""
+"""jaxtyping's run-time checks switched off, for the tests of attnjax's own messages; how
+many programs a call lowers."""
 
 import contextlib
 
+import jax
 import jaxtyping
 
 
@@ -14,3 +16,20 @@ def own_checks_only():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def lowerings(fn) -> int:
+    """How many programs calling fn lowers (compiled, or loaded from a compilation
+    cache)."""
+    lowered = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(lowered)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import attnjax
 from attnjax import scores
 from tests import reference
+from tests.checks import lowerings
 
 B, T, S, N, K, H, V = 2, 5, 7, 6, 3, 4, 11
 
@@ -234,23 +235,6 @@ def test_jit_compatible_with_traced_lengths(rng):
         fn(q, k, v, k_len), _attention(q, k, v, key_lengths=k_len), rtol=1e-6)
 
 
-def _lowerings(fn) -> int:
-    """How many programs calling fn lowers (compiled, or loaded from a compilation
-    cache)."""
-    lowered = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        jax.block_until_ready(fn())
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return len(lowered)
-
-
 def test_an_eager_call_compiles_the_kernel_as_one_program(rng):
     """Outside jit, a call runs as one program compiled per shape and options (about
     sixty one-operation programs otherwise); inside jit the kernel is traced into the
@@ -262,7 +246,7 @@ def test_an_eager_call_compiles_the_kernel_as_one_program(rng):
                              block_sizes=(8, 8))
     # the dense call compiles the arguments' checks
     attnjax.dot_product_attention(q, k, v, is_causal=True, key_lengths=key_lengths)
-    assert _lowerings(lambda: call(q, k, v)) == 1
+    assert lowerings(lambda: call(q, k, v)) == 1
     eager = call(q, k, v)
     traced = jax.jit(lambda q, k, v: call(q, k, v))(q, k, v)
     np.testing.assert_allclose(eager, traced, rtol=1e-6, atol=1e-6)
@@ -281,15 +265,15 @@ def test_eager_calls_compile_for_a_score_mod_once_it_comes_again(rng):
     def call(mod):
         return attnjax.dot_product_attention(q, k, v, score_mod=mod)
 
-    _lowerings(lambda: call(lambda s, b, n, i, j: s * 0.5))
-    assert _lowerings(lambda: call(lambda s, b, n, i, j: s * 0.5)) == 0
+    lowerings(lambda: call(lambda s, b, n, i, j: s * 0.5))
+    assert lowerings(lambda: call(lambda s, b, n, i, j: s * 0.5)) == 0
 
     def half(s, b, n, i, j):
         return s * 0.5
 
-    _lowerings(lambda: call(half))
-    assert _lowerings(lambda: call(half)) == 1
-    assert _lowerings(lambda: call(half)) == 0
+    lowerings(lambda: call(half))
+    assert lowerings(lambda: call(half)) == 1
+    assert lowerings(lambda: call(half)) == 0
     np.testing.assert_allclose(call(half), attnjax.dot_product_attention(
         q, k, v, scale=0.5 * H ** -0.5), rtol=1e-5, atol=1e-6)
     assert scores.soft_cap(30.0) is scores.soft_cap(30.0) and (

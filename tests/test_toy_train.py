@@ -21,6 +21,7 @@ from attnjax.toy import cli, make_task
 from attnjax.toy import train as training
 from attnjax.toy.config import dump_config, load_config
 from attnjax.toy.report import TIMING_KEYS, Progress
+from tests.checks import lowerings
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["task.num_symbols=5", "task.min_len=1", "task.max_len=6", "task.eval_size=200",
@@ -73,6 +74,32 @@ def test_seed_changes_initialisation_and_data(float32):
     assert not np.array_equal(*(p["logits"]["kernel"] for p in params))
     batches = [training.train_batch(task, c, 0, mesh) for c in (a, b)]
     assert not np.array_equal(*(np.asarray(batch.src) for batch in batches))
+
+
+def test_the_train_step_compiled_alongside_the_initialisation_runs_without_compiling(float32):
+    """init_state(..., alongside=...) compiles the train step, given the abstract state,
+    while the initialisation compiles: its first call lowers and compiles nothing, and
+    the state is the one init_state makes alone, bit for bit."""
+    config = tiny("seed=3", "model.d_model=24")   # programs no other test compiles
+    task = make_task(config.task)
+    model = training.make_model(config, task)
+    optimizer = training.make_optimizer(config.optim, config.steps)
+    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+    abstract = training.abstract_state(model, optimizer, task, config.seed, mesh)
+    batch = training.train_batch(task, config, 0, mesh)
+    steps = [training.make_train_step(model, optimizer, config.optim, config.steps,
+                                      config.seed, abstract, mesh) for _ in range(2)]
+    alone = training.init_state(model, optimizer, task, config.seed, mesh)
+    together = training.init_state(model, optimizer, task, config.seed, mesh,
+                                   alongside=[(steps[0], (abstract, training.abstract_batch(
+                                       task, config, mesh)))])
+    assert jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), alone) == jax.tree.map(
+        lambda a: (a.shape, a.dtype, a.sharding), abstract)
+    for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(together)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert lowerings(lambda: steps[0](together, batch)) == 0
+    # the same step made afresh and not compiled beforehand compiles in its first call
+    assert lowerings(lambda: steps[1](alone, batch)) == 1
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, float32):

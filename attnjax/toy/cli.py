@@ -429,12 +429,19 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
     output_vocab = DecoderOnlyFormat(task).vocab if isinstance(model, DecoderOnly) else None
     optimizer = training.make_optimizer(config.optim, config.steps)
     try:
-        state = training.init_state(model, optimizer, task, config.seed, mesh)
+        abstract = training.abstract_state(model, optimizer, task, config.seed, mesh)
+    except ValueError as e:  # a model that the mesh cannot split
+        raise ConfigError(str(e)) from None
+    train_step = training.make_train_step(model, optimizer, config.optim, config.steps,
+                                          config.seed, abstract, mesh, api=config.model.api)
+    try:
+        # the train step compiles while the initialisation does
+        state = training.init_state(
+            model, optimizer, task, config.seed, mesh,
+            alongside=[(train_step, (abstract, training.abstract_batch(task, config, mesh)))])
     except ValueError as e:  # a model that the mesh cannot split
         raise ConfigError(str(e)) from None
     stop.stop_if_requested(_before_training(workdir))
-    train_step = training.make_train_step(model, optimizer, config.optim, config.steps,
-                                          config.seed, state, mesh, api=config.model.api)
     eval_batch = training.eval_set(task, config)
     _begin_run(workdir, config, force_new)
 

@@ -439,7 +439,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
         state = training.init_state(
             model, optimizer, task, config.seed, mesh,
             alongside=[(train_step, (abstract, training.abstract_batch(task, config, mesh)))])
-    except ValueError as e:  # a model that the mesh cannot split
+    except ValueError as e:  # a config the train step cannot be traced with
         raise ConfigError(str(e)) from None
     stop.stop_if_requested(_before_training(workdir))
     eval_batch = training.eval_set(task, config)

@@ -119,6 +119,7 @@ def _model_batch(model, task, batch: Batch) -> Batch | Sequences:
     return batch
 
 
+@functools.lru_cache(maxsize=1)   # abstract_state, then init_state: one trace
 def _init(model, optimizer, task, seed: int, mesh):
     """The initialisation as a function of nothing, its output's shapes and their
     shardings."""
@@ -285,6 +286,8 @@ def abstract_batch(task, config, mesh) -> TrainBatch:
 
 
 def _draw_batch(task, config, step: int, mesh) -> TrainBatch:
+    # train_batch's body, which abstract_batch draws through too: train_batch itself is
+    # called once a step, by the training loop alone
     rng = np.random.default_rng([config.seed, TRAIN_STREAM, step])
     if config.data.pack:
         layout = DecoderOnlyFormat(task)

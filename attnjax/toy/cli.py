@@ -430,17 +430,15 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
     optimizer = training.make_optimizer(config.optim, config.steps)
     try:
         abstract = training.abstract_state(model, optimizer, task, config.seed, mesh)
-    except ValueError as e:  # a model that the mesh cannot split
-        raise ConfigError(str(e)) from None
-    train_step = training.make_train_step(model, optimizer, config.optim, config.steps,
-                                          config.seed, abstract, mesh, api=config.model.api)
-    try:
+        train_step = training.make_train_step(model, optimizer, config.optim, config.steps,
+                                              config.seed, abstract, mesh,
+                                              api=config.model.api)
         # the train step compiles while the initialisation does
         state = training.init_state(
             model, optimizer, task, config.seed, mesh,
             alongside=[(train_step, (abstract, training.abstract_batch(task, config, mesh)))])
-    except ValueError as e:  # a config the train step cannot be traced with
-        raise ConfigError(str(e)) from None
+    except ValueError as e:  # a model that the mesh cannot split, or a train step that
+        raise ConfigError(str(e)) from None  # cannot be traced with this config
     stop.stop_if_requested(_before_training(workdir))
     eval_batch = training.eval_set(task, config)
     _begin_run(workdir, config, force_new)

@@ -72,6 +72,9 @@ with install_import_hook("attnjax", "beartype.beartype"):
 
 import pytest  # noqa: E402
 
+# pytest --suite-profile: where the suite's time goes
+pytest_plugins = ("tests.suite_profile",)
+
 
 # (xdist's loadfile hands out the modules with the most tests first. Handing out the
 # longest first, --no-loadscope-reorder, measured slower: the two modules that start

@@ -1,11 +1,13 @@
 """Where the test suite's time goes: `pytest --suite-profile [--suite-profile-top 25]`.
 
-For each test: its wall time; the CPU time of its process and of the processes it
-started (the command-line runs); the wall time jax spent in its process tracing
-(jaxpr_trace), lowering (jaxpr to MLIR) and compiling (XLA's backend compile), from
-jax.monitoring's events, and the number of programs it lowered. Then the same per file,
-and the suite's totals. Under xdist (the suite's default) each worker measures its own
-tests and hands them to the controller, which prints the tables after the last test.
+For each test (its setup and teardown included): its wall time; the CPU time of its
+process and of the processes it started (the command-line runs; counted as they end, so
+a module fixture's runs count in the test that waits for them); the wall time jax spent
+in its process tracing (jaxpr_trace), lowering (jaxpr to MLIR) and compiling (XLA's
+backend compile), from jax.monitoring's events, and the number of programs it lowered.
+Then the same per file, and the suite's totals. Under xdist (the suite's default) each
+worker measures its own tests and hands them to the controller, which prints the tables
+after the last test.
 
 What is not jax's, in a test's own process, is running the programs, the test's own
 Python and the rest. The `--durations` line counts wall time only, and a test that waits
@@ -24,7 +26,7 @@ EVENTS = {
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
     "/jax/core/compile/backend_compile_duration": "compile",
 }
-COLUMNS = ("wall", "cpu", "children", "trace", "lower", "compile", "programs")
+JAX_COLUMNS = ("trace", "lower", "compile", "programs")
 
 
 def pytest_addoption(parser):
@@ -68,7 +70,7 @@ class _Profile:
             self._start.pop(nodeid), self._snapshot())
         row = {"wall": wall1 - wall0, "cpu": cpu1 - cpu0, "children": child1 - child0}
         row.update({column: jax1.get(column, 0) - jax0.get(column, 0)
-                    for column in ("trace", "lower", "compile", "programs")})
+                    for column in JAX_COLUMNS})
         self.tests[nodeid] = row
 
     # xdist: a worker hands its rows to the controller ...

@@ -6,6 +6,9 @@ import contextlib
 import jax
 import jaxtyping
 
+# jax.monitoring's event for each program lowered (then compiled, or loaded from a cache)
+LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
 
 @contextlib.contextmanager
 def own_checks_only():
@@ -24,7 +27,7 @@ def lowerings(fn) -> int:
     lowered = []
 
     def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        if event == LOWERED:
             lowered.append(event)
 
     jax.monitoring.register_event_duration_secs_listener(listener)

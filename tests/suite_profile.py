@@ -20,10 +20,12 @@ import time
 import jax
 import pytest
 
+from tests.checks import LOWERED
+
 # jax.monitoring's duration events, by the column they are added to
 EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    LOWERED: "lower",
     "/jax/core/compile/backend_compile_duration": "compile",
 }
 JAX_COLUMNS = ("trace", "lower", "compile", "programs")
@@ -72,6 +74,9 @@ class _Profile:
         row.update({column: jax1.get(column, 0) - jax0.get(column, 0)
                     for column in JAX_COLUMNS})
         self.tests[nodeid] = row
+
+    def pytest_unconfigure(self, config):
+        self.close()
 
     # xdist: a worker hands its rows to the controller ...
     def pytest_sessionfinish(self, session):

@@ -20,18 +20,17 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import cli, make_task
 from attnjax.toy import train as training
 from attnjax.toy.checkpoints import DAMAGED, MANIFEST, Checkpoints, damage
 from attnjax.toy.config import dump_config, load_config
 from attnjax.toy.report import TIMING_KEYS
 from tests import children
+from tests.children import one_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 # 20 steps, every one logged (a kill can land on any), checkpoints every 5.
@@ -557,7 +556,6 @@ def test_plotting_a_chunked_model_reads_the_dense_weights(tmp_path, float32):
     model = training.make_model(config, task)
     batch = training.eval_set(task, config)
     params = training.init_state(model, training.make_optimizer(config.optim, config.steps),
-                                 task, config.seed, mesh_lib.make_mesh(devices=jax.devices()[:1])
-                                 ).params
+                                 task, config.seed, one_device_mesh()).params
     cli._plot_attention(tmp_path / "attention.png", model, params, task, batch, batch.tgt_out)
     assert (tmp_path / "attention.png").read_bytes()[:4] == b"\x89PNG"

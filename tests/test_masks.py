@@ -345,8 +345,8 @@ def _compare(case, tol=1e-9):
             inputs, mask, positions)
 
     # the reference grid, the reference and both kernels: one program
-    see, (expected, expected_grads), engines = _compiled(everything, inputs, mask, positions)
-    for name, (values, grads) in zip(("dense", "chunked"), engines):
+    see, (expected, expected_grads), kernels = _compiled(everything, inputs, mask, positions)
+    for name, (values, grads) in zip(("dense", "chunked"), kernels):
         _assert_close(f"{name} output", values[0], expected[0], tol)
         _assert_lse_close(f"{name} log-sum-exp", values[1], expected[1], tol)
         for path, got in jax.tree_util.tree_leaves_with_path(grads):

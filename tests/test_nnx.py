@@ -11,10 +11,10 @@ from flax import nnx
 import attnjax.nnx as anx
 from attnjax import masks, nn
 from attnjax.nnx.models import counterpart
-from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import make_task
 from attnjax.toy import train as training
 from attnjax.toy.config import load_config
+from tests.children import one_device_mesh
 from tests.numerics import as_users_run
 
 B, T, S, D, DKV = 3, 5, 7, 12, 10
@@ -296,7 +296,7 @@ def test_nnx_training_matches_linen(float32):
     task = make_task(config.task)
     model = training.make_model(config, task)
     optimizer = training.make_optimizer(config.optim, config.steps)
-    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+    mesh = one_device_mesh()
     initial = training.init_state(model, optimizer, task, config.seed, mesh)
     held_out = training.eval_set(task, config)
     runs = {}

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 from attnjax import nn
-from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import cli, make_task
 from attnjax.toy import train as training
 from attnjax.toy.config import load_config
 from attnjax.toy.report import TIMING_KEYS
 from attnjax.toy.sequences import DecoderOnlyFormat, Sequences
 from attnjax.toy.tasks import BOS, EOS, PAD
-from tests import trees
+from tests import children, trees
+from tests.children import one_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 # Examples of distinct lengths, packed into rows of 19 (room for 2 of pad after them).
@@ -165,7 +165,7 @@ def test_sequences_layout_and_packed_batches_depend_on_seed_and_step_only():
     config = tiny("data.pack=true", "data.packed_len=30")
     task = make_task(config.task)
     layout = DecoderOnlyFormat(task)
-    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+    mesh = one_device_mesh()
     batch = jax.device_get(training.train_batch(task, config, 7, mesh))
     assert isinstance(batch, Sequences) and batch.tokens.shape == (16, 30)
     again = jax.device_get(training.train_batch(task, config, 7, mesh))
@@ -209,7 +209,7 @@ def test_packed_loss_and_gradients_equal_the_examples_alone(float32):
     config = tiny("data.pack=true", "data.packed_len=30", "batch_size=3")
     task = make_task(config.task)
     model = training.make_model(config, task)
-    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+    mesh = one_device_mesh()
     packed = jax.device_get(training.train_batch(task, config, 0, mesh))
     params = training.init_state(model, training.make_optimizer(config.optim, 10), task, 0,
                                  mesh).params
@@ -246,7 +246,7 @@ def test_cli_trains_decoder_only(tmp_path, pack):
     result = subprocess.run(
         [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path / "run"),
          *(arg for o in overrides for arg in ("--set", o))],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=children.environment(None), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "copy: held-out exact match" in result.stdout
     records = _records(tmp_path / "run")
@@ -261,11 +261,11 @@ def test_cli_trains_decoder_only(tmp_path, pack):
 
 def test_packed_run_resumes_to_the_uninterrupted_metrics(tmp_path, float32, capsys):
     config = tiny("data.pack=true", "steps=40", "eval_every=20", "keep_checkpoints=4")
-    cli.run(config, tmp_path / "whole", interactive=False)
+    cli.run(config, tmp_path / "whole", mesh=one_device_mesh(), interactive=False)
     # The run as a process killed after step 20 leaves it: the later checkpoints gone.
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     for step in (30, 40):
         shutil.rmtree(tmp_path / "resumed" / "checkpoints" / str(step))
-    cli.run(config, tmp_path / "resumed", interactive=False)
+    cli.run(config, tmp_path / "resumed", mesh=one_device_mesh(), interactive=False)
     assert f"resuming {tmp_path / 'resumed'} from step 20" in capsys.readouterr().out
     assert _records(tmp_path / "resumed") == _records(tmp_path / "whole")

@@ -12,22 +12,17 @@ import os
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import pytest
 
-from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import cli
 from attnjax.toy.checkpoints import CheckpointError, Checkpoints
 from attnjax.toy.config import dump_config, load_config
 from attnjax.toy.report import MetricsLog
+from tests.children import one_device_mesh
 from tests.test_faults import ROOT, TINY
 
 RECORDS = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
-
-
-def _one_device():
-    return mesh_lib.make_mesh(devices=jax.devices()[:1])
 
 
 class _FullDisk(io.RawIOBase):
@@ -88,7 +83,7 @@ def test_a_full_disk_while_metrics_are_written_stops_the_run_with_one_line(
     config = load_config(ROOT / "configs" / "copy.yaml", TINY)
     workdir = tmp_path / "run"
     with pytest.raises(cli.RunFailed) as failure:
-        cli.run(config, workdir, mesh=_one_device(), interactive=False)
+        cli.run(config, workdir, mesh=one_device_mesh(), interactive=False)
     message = str(failure.value)
     assert "\n" not in message, message
     assert message.startswith(f"[Errno {errno.ENOSPC}] No space left on device: "), message
@@ -106,7 +101,7 @@ def test_a_file_where_the_checkpoints_go_is_refused_before_training(tmp_path, fl
     (workdir / "checkpoints").write_text("hi\n")
     with pytest.raises(cli.RunFailed, match=r"^cannot open the checkpoints of .*: \[Errno 20\] "
                                             r"Not a directory: '.*checkpoints'$"):
-        cli.run(config, workdir, mesh=_one_device(), interactive=False)
+        cli.run(config, workdir, mesh=one_device_mesh(), interactive=False)
     assert (workdir / "metrics.jsonl").read_bytes() == saved
     assert (workdir / "checkpoints").read_text() == "hi\n"
 

@@ -28,7 +28,7 @@ EVENTS = {
     LOWERED: "lower",
     "/jax/core/compile/backend_compile_duration": "compile",
 }
-JAX_COLUMNS = ("trace", "lower", "compile", "programs")
+JAX_COLUMNS = (*EVENTS.values(), "programs")
 
 
 def pytest_addoption(parser):

@@ -25,7 +25,6 @@ from attnjax.toy import cli, make_task, sequence_parallel
 from attnjax.toy import train as training
 from attnjax.toy.config import ConfigError, dump_config, load_config
 from tests import children, training_run
-from tests.children import one_device_mesh
 from tests.numerics import as_users_run
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
@@ -201,7 +200,7 @@ def _config(model: str):
 def one_device():
     """Losses of one-device runs of each model."""
     with as_users_run():
-        one = one_device_mesh()
+        one = children.one_device_mesh()
         return {model: training_run.losses(_config(model), one) for model in MODELS}
 
 

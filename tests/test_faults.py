@@ -30,7 +30,6 @@ from attnjax.toy.checkpoints import DAMAGED, MANIFEST, Checkpoints, damage
 from attnjax.toy.config import dump_config, load_config
 from attnjax.toy.report import TIMING_KEYS
 from tests import children
-from tests.children import one_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 # 20 steps, every one logged (a kill can land on any), checkpoints every 5.
@@ -555,7 +554,8 @@ def test_plotting_a_chunked_model_reads_the_dense_weights(tmp_path, float32):
     task = make_task(config.task)
     model = training.make_model(config, task)
     batch = training.eval_set(task, config)
-    params = training.init_state(model, training.make_optimizer(config.optim, config.steps),
-                                 task, config.seed, one_device_mesh()).params
+    optimizer = training.make_optimizer(config.optim, config.steps)
+    params = training.init_state(model, optimizer, task, config.seed,
+                                 children.one_device_mesh()).params
     cli._plot_attention(tmp_path / "attention.png", model, params, task, batch, batch.tgt_out)
     assert (tmp_path / "attention.png").read_bytes()[:4] == b"\x89PNG"

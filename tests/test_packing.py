@@ -23,7 +23,6 @@ from attnjax.toy.report import TIMING_KEYS
 from attnjax.toy.sequences import DecoderOnlyFormat, Sequences
 from attnjax.toy.tasks import BOS, EOS, PAD
 from tests import children, trees
-from tests.children import one_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 # Examples of distinct lengths, packed into rows of 19 (room for 2 of pad after them).
@@ -165,7 +164,7 @@ def test_sequences_layout_and_packed_batches_depend_on_seed_and_step_only():
     config = tiny("data.pack=true", "data.packed_len=30")
     task = make_task(config.task)
     layout = DecoderOnlyFormat(task)
-    mesh = one_device_mesh()
+    mesh = children.one_device_mesh()
     batch = jax.device_get(training.train_batch(task, config, 7, mesh))
     assert isinstance(batch, Sequences) and batch.tokens.shape == (16, 30)
     again = jax.device_get(training.train_batch(task, config, 7, mesh))
@@ -209,7 +208,7 @@ def test_packed_loss_and_gradients_equal_the_examples_alone(float32):
     config = tiny("data.pack=true", "data.packed_len=30", "batch_size=3")
     task = make_task(config.task)
     model = training.make_model(config, task)
-    mesh = one_device_mesh()
+    mesh = children.one_device_mesh()
     packed = jax.device_get(training.train_batch(task, config, 0, mesh))
     params = training.init_state(model, training.make_optimizer(config.optim, 10), task, 0,
                                  mesh).params
@@ -261,11 +260,13 @@ def test_cli_trains_decoder_only(tmp_path, pack):
 
 def test_packed_run_resumes_to_the_uninterrupted_metrics(tmp_path, float32, capsys):
     config = tiny("data.pack=true", "steps=40", "eval_every=20", "keep_checkpoints=4")
-    cli.run(config, tmp_path / "whole", mesh=one_device_mesh(), interactive=False)
+    cli.run(config, tmp_path / "whole", mesh=children.one_device_mesh(),
+            interactive=False)
     # The run as a process killed after step 20 leaves it: the later checkpoints gone.
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     for step in (30, 40):
         shutil.rmtree(tmp_path / "resumed" / "checkpoints" / str(step))
-    cli.run(config, tmp_path / "resumed", mesh=one_device_mesh(), interactive=False)
+    cli.run(config, tmp_path / "resumed", mesh=children.one_device_mesh(),
+            interactive=False)
     assert f"resuming {tmp_path / 'resumed'} from step 20" in capsys.readouterr().out
     assert _records(tmp_path / "resumed") == _records(tmp_path / "whole")

@@ -19,7 +19,6 @@ from attnjax.toy import cli, make_task
 from attnjax.toy import train as training
 from attnjax.toy.config import load_config
 from tests import children, training_run
-from tests.children import one_device_mesh
 from tests.numerics import as_users_run
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
@@ -51,7 +50,7 @@ def one_device():
     """Losses of one-device runs of 50 and 30 steps (the loss of every step, as a run
     with log_every=1 logs them; no evaluation, checkpoints or files)."""
     with as_users_run():
-        one = one_device_mesh()
+        one = children.one_device_mesh()
         return {steps: training_run.losses(config(steps), one) for steps in (50, 30)}
 
 

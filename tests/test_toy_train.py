@@ -22,7 +22,6 @@ from attnjax.toy.config import dump_config, load_config
 from attnjax.toy.report import TIMING_KEYS, Progress
 from tests import children
 from tests.checks import lowerings
-from tests.children import one_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["task.num_symbols=5", "task.min_len=1", "task.max_len=6", "task.eval_size=200",
@@ -43,7 +42,8 @@ def _records(workdir: Path) -> list[dict]:
 
 def test_tiny_run_learns_and_writes_every_output(tmp_path, float32):
     config = tiny()
-    summary = cli.run(config, tmp_path / "run", mesh=one_device_mesh(), interactive=False)
+    summary = cli.run(config, tmp_path / "run", mesh=children.one_device_mesh(),
+                      interactive=False)
     workdir = tmp_path / "run"
     records = _records(workdir)
     logs = [r for r in records if "loss" in r]
@@ -70,7 +70,7 @@ def test_seed_changes_initialisation_and_data(float32):
     task = make_task(a.task)
     model = training.make_model(a, task)
     optimizer = training.make_optimizer(a.optim, a.steps)
-    mesh = one_device_mesh()
+    mesh = children.one_device_mesh()
     params = [training.init_state(model, optimizer, task, c.seed, mesh).params for c in (a, b)]
     assert not np.array_equal(*(p["logits"]["kernel"] for p in params))
     batches = [training.train_batch(task, c, 0, mesh) for c in (a, b)]
@@ -85,7 +85,7 @@ def test_the_train_step_compiled_alongside_the_initialisation_runs_without_compi
     task = make_task(config.task)
     model = training.make_model(config, task)
     optimizer = training.make_optimizer(config.optim, config.steps)
-    mesh = one_device_mesh()
+    mesh = children.one_device_mesh()
     abstract = training.abstract_state(model, optimizer, task, config.seed, mesh)
     batch = training.train_batch(task, config, 0, mesh)
     steps = [training.make_train_step(model, optimizer, config.optim, config.steps,
@@ -107,7 +107,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, float32):
     config = tiny("optim.learning_rate=1e30", "optim.clip_norm=1e30", "optim.warmup_steps=1")
     with pytest.raises(cli.TrainingDiverged, match=r"the loss is (nan|inf) at step \d+; training "
                                                    r"stopped. Last good checkpoint: "):
-        cli.run(config, tmp_path / "run", mesh=one_device_mesh(), interactive=False)
+        cli.run(config, tmp_path / "run", mesh=children.one_device_mesh(),
+                interactive=False)
     records = _records(tmp_path / "run")
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
 
@@ -295,12 +296,13 @@ def test_cli_bad_command_exits_2_with_one_line(tmp_path, args, message):
 
 def test_workdir_of_another_config_is_refused(tmp_path, float32):
     config = tiny("steps=10", "eval_every=10")
-    cli.run(config, tmp_path / "run", mesh=one_device_mesh(), interactive=False)
+    cli.run(config, tmp_path / "run", mesh=children.one_device_mesh(),
+            interactive=False)
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["steps"] == 10
     with pytest.raises(cli.ConfigError, match="holds a run with another config \\(it differs "
                                               "in optim.learning_rate\\)"):
         cli.run(tiny("steps=10", "eval_every=10", "optim.learning_rate=0.1"), tmp_path / "run",
-                mesh=one_device_mesh())
+                mesh=children.one_device_mesh())
     assert dump_config(config) == (tmp_path / "run" / "config.yaml").read_text()
 
 

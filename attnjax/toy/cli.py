@@ -343,7 +343,8 @@ def _plot_attention(path: Path, model, params, task, eval_batch, predictions) ->
     model = type(model)(dataclasses.replace(model.config, implementation="dense"))
     # One compiled call: the model's many small ops run eagerly take seconds.
     apply = jax.jit(functools.partial(model.apply, sow_weights=True, deterministic=True,
-                                      mutable=["intermediates"]))
+                                      mutable=["intermediates"]),
+                    compiler_options=training.QUICK_COMPILATION)
     length = int(eval_batch.src_lengths[0])
     predicted = list(predictions[0])
     predicted = predicted[: predicted.index(EOS) + 1] if EOS in predicted else predicted
@@ -617,7 +618,7 @@ def use_compilation_cache() -> Path | None:
         return None
     jax.config.update("jax_compilation_cache_dir", str(directory))
     # programs that compile faster than this are not worth a file
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
     return directory
 
 

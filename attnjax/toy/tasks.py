@@ -107,13 +107,6 @@ class SequenceTask:
         # the shortest source length with at least MIN_SPLIT sequences: split from there on
         self.split_len = next(n for n in range(1, 64) if num_symbols ** n >= MIN_SPLIT)
 
-    def target(self, source: np.ndarray) -> np.ndarray:
-        if self.name == "reverse":
-            return source[::-1]
-        if self.name == "sort":
-            return np.sort(source)
-        return source
-
     def _keys(self, symbols: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """`[B]` uint64 identity of each source (wrapping arithmetic: a hash)."""
         base = np.uint64(len(self.src_vocab.symbols) + 1)
@@ -137,10 +130,31 @@ class SequenceTask:
             chosen_symbols.append(symbols[keep])
             chosen_lengths.append(lengths[keep])
             count += int(keep.sum())
-        symbols = np.concatenate(chosen_symbols)[:size]
+        symbols = np.concatenate(chosen_symbols)[:size] + len(SPECIALS)
         lengths = np.concatenate(chosen_lengths)[:size]
-        offset = len(SPECIALS)
-        sources = [list(symbols[i, : lengths[i]] + offset) for i in range(size)]
-        targets = [list(self.target(np.array(s))) for s in sources]
-        return make_batch(sources, targets, self.src_len, self.tgt_len)
+        return self._batch(symbols, lengths)
+
+    def _batch(self, symbols: np.ndarray, lengths: np.ndarray) -> Batch:
+        """`make_batch` of the rows' first `lengths` tokens and their targets, the whole
+        batch at once: the copy config's batch of 128 takes about 0.4 ms of the host's
+        time, 2 ms a row at a time."""
+        b = len(lengths)
+        # [B, L]
+        valid = np.arange(self.max_len) < lengths[:, None]
+        if self.name == "reverse":
+            backwards = np.maximum(lengths[:, None] - 1 - np.arange(self.max_len), 0)
+            targets = np.take_along_axis(symbols, backwards, axis=1)
+        elif self.name == "sort":   # the padding sorts last
+            targets = np.sort(np.where(valid, symbols, np.iinfo(symbols.dtype).max), axis=1)
+        else:
+            targets = symbols
+        src = np.where(valid, symbols, PAD).astype(np.int32)
+        # [B, L + 1]
+        tgt_in = np.full((b, self.tgt_len + 1), PAD, np.int32)
+        tgt_in[:, 0] = BOS
+        tgt_in[:, 1:] = np.where(valid, targets, PAD)
+        tgt_out = np.full((b, self.tgt_len + 1), PAD, np.int32)
+        tgt_out[:, :-1] = tgt_in[:, 1:]
+        tgt_out[np.arange(b), lengths] = EOS
+        return Batch(src, lengths.astype(np.int32), tgt_in, tgt_out)
 

@@ -48,8 +48,8 @@ TRAIN_STREAM, EVAL_STREAM = 0, 1
 # XLA's options for a program that runs once or costs next to nothing to run, so that
 # compiling it is nearly all its cost (the checkpoints' finiteness check, the attention
 # plot's forward pass): LLVM at level 0 without its expensive passes, XLA's elemental
-# emitters, one LLVM module. On a 2-core CPU they compile those two in 0.3-0.4 s rather
-# than 0.7-1.3 s. Not for a program whose numbers are kept: at level 0 some floats round
+# emitters, one LLVM module. On a 2-core CPU they compile those two in 0.2-0.4 s rather
+# than 0.5-1.3 s. Not for a program whose numbers are kept: at level 0 some floats round
 # differently (the initialisation's parameters differ in their last bit).
 QUICK_COMPILATION = {"xla_backend_optimization_level": 0,
                      "xla_llvm_disable_expensive_passes": True,

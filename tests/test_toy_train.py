@@ -315,6 +315,27 @@ def test_plain_progress_lines(capsys):
                                        "1234 tokens/s\ndone\n")
 
 
+def test_the_finiteness_check_finds_a_nan_or_an_inf_anywhere_in_the_parameters(rng):
+    """The check that keeps non-finite parameters out of every checkpoint (compiled with
+    XLA's quickest options, which must not change its answer)."""
+    keys = jax.random.split(rng, 3)
+    tree = {"w": jax.random.normal(keys[0], (7, 5), jax.numpy.float32),
+            "b": {"x": jax.random.normal(keys[1], (11,), jax.numpy.float32)}}
+    assert bool(training.all_finite(tree))
+    at = int(jax.random.randint(keys[2], (), 0, 11))
+    for bad in (np.nan, np.inf, -np.inf):
+        broken = {"w": tree["w"], "b": {"x": tree["b"]["x"].at[at].set(bad)}}
+        assert not bool(training.all_finite(broken)), (bad, at)
+
+
+def test_quick_compilation_is_for_a_cpu_alone(monkeypatch):
+    """XLA's quickest options go to a CPU's compiler only: its GPU backend does not
+    support LLVM level 0."""
+    assert training.quick_compilation() == training.QUICK_COMPILATION   # the suite's CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert training.quick_compilation() == {}
+
+
 def test_the_command_line_keeps_compiled_programs_in_the_user_cache(tmp_path, monkeypatch):
     """Without JAX_COMPILATION_CACHE_DIR, compiled programs go to the user's cache
     directory; with it, to that directory; JAX_ENABLE_COMPILATION_CACHE=false: nowhere."""

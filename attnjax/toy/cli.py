@@ -344,7 +344,7 @@ def _plot_attention(path: Path, model, params, task, eval_batch, predictions) ->
     # One compiled call: the model's many small ops run eagerly take seconds.
     apply = jax.jit(functools.partial(model.apply, sow_weights=True, deterministic=True,
                                       mutable=["intermediates"]),
-                    compiler_options=training.QUICK_COMPILATION)
+                    compiler_options=training.quick_compilation())
     length = int(eval_batch.src_lengths[0])
     predicted = list(predictions[0])
     predicted = predicted[: predicted.index(EOS) + 1] if EOS in predicted else predicted

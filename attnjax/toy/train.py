@@ -45,19 +45,26 @@ from attnjax.toy.sequences import DecoderOnlyFormat, Sequences
 from attnjax.toy.tasks import BOS, EOS, PAD, Batch
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
-# XLA's options for a program that runs once or costs next to nothing to run, so that
-# compiling it is nearly all its cost (the checkpoints' finiteness check, the attention
-# plot's forward pass): LLVM at level 0 without its expensive passes, XLA's elemental
-# emitters, one LLVM module. On a 2-core CPU they compile those two in 0.2-0.4 s rather
-# than 0.5-1.3 s. Not for a program whose numbers are kept: at level 0 some floats round
-# differently (the initialisation's parameters differ in their last bit).
+# A training batch: the task's (laid out for a "seq" mesh axis with its positions), or
+# the decoder-only model's sequences.
+TrainBatch = Batch | sequence_parallel.PositionedBatch | Sequences
+# XLA's CPU options for a program that runs once or costs next to nothing to run, so
+# that compiling it is nearly all its cost (the checkpoints' finiteness check, the
+# attention plot's forward pass): LLVM at level 0 without its expensive passes, XLA's
+# elemental emitters, one LLVM module. On a 2-core CPU they compile those two in 0.2-0.4 s
+# rather than 0.5-1.3 s. Not for a program whose numbers are kept: at level 0 some floats
+# round differently (the initialisation's parameters differ in their last bit, and one
+# sequence of seed 0's copy run then ends wrong).
 QUICK_COMPILATION = {"xla_backend_optimization_level": 0,
                      "xla_llvm_disable_expensive_passes": True,
                      "xla_cpu_use_fusion_emitters": False,
                      "xla_cpu_parallel_codegen_split_count": 1}
-# A training batch: the task's (laid out for a "seq" mesh axis with its positions), or
-# the decoder-only model's sequences.
-TrainBatch = Batch | sequence_parallel.PositionedBatch | Sequences
+
+
+def quick_compilation() -> dict:
+    """`QUICK_COMPILATION` on a CPU; elsewhere XLA's defaults (XLA's GPU backend does not
+    support level 0)."""
+    return QUICK_COMPILATION if jax.default_backend() == "cpu" else {}
 
 
 def init_key(seed: int) -> jax.Array:
@@ -266,10 +273,17 @@ def make_train_step(model: Transformer | DecoderOnly, optimizer, optim, steps: i
     return train_step
 
 
-@functools.partial(jax.jit, compiler_options=QUICK_COMPILATION)
 def all_finite(tree) -> jax.Array:
     """Whether every value of a tree of float arrays is finite."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    return _finite_check()(tree)
+
+
+@functools.cache   # made at the first call, once jax's backend is up
+def _finite_check():
+    def all_finite(tree):
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+    return jax.jit(all_finite, compiler_options=quick_compilation())
 
 
 def eval_set(task, config) -> Batch:

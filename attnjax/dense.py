@@ -81,6 +81,18 @@ def attend(
 # at T=512, 0.92× with it, 1.18× without.
 _SMALL_GRID = 128 * 128
 
+# Between these logits per head (exclusive, inclusive), the term P dv of the plain
+# kernel's derivative is an einsum, whose transpose (dv's cotangent, Pᵀ dO) contracts
+# the leading axis of P; outside, it is contract_last's barrier form, which copies dO
+# transposed. A causal / unmasked attention training step on a 2-core CPU
+# (benchmarks/train_step.py's step, flax / attnjax): at (B, T, D, N) = (128, 16, 64, 4),
+# the copy model's, 0.92-0.94 / 1.00-1.08 with the einsum, 1.10-1.12 / 1.16-1.28 with
+# the barrier form (the copy model's whole step 1.00-1.02 -> 1.07); at (64, 32, 64, 4)
+# and (32, 64, 64, 4) the barrier form is 3-18% faster too; at (32, 64, 128, 4) the two
+# are even; at (16, 128, 128, 4) the einsum is faster unmasked (1.36-1.41 against 1.25)
+# and even causal; at T=512, the barrier form is faster.
+_MIX_EINSUM_GRIDS = (64 * 64, _SMALL_GRID)
+
 
 @jax.custom_jvp
 def _seen_logits(q, k, rows, cols):
@@ -178,9 +190,9 @@ def _plain_jvp(primals, tangents):
     weighted = weights * d_logits
     d_lse = jnp.sum(weighted, axis=-1)
     mix = lambda w, x: core.contract_last(w.astype(v.dtype), x.T, acc)  # noqa: E731
-    # P dv the other way round from the logits: its barrier form (contract_last's tangent)
-    # measured faster at T=512 and slower at T=64, in the same train step.
-    if weights.size <= _SMALL_GRID:
+    # P dv: the barrier form (contract_last's tangent) on small and large grids, the
+    # einsum between them (see _MIX_EINSUM_GRIDS).
+    if _MIX_EINSUM_GRIDS[0] < weights.size <= _MIX_EINSUM_GRIDS[1]:
         d_mixed = mix(weighted, v) + jnp.einsum("TS,SV->TV", weights.astype(v.dtype), d_v,
                                                 preferred_element_type=acc)
     else:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import attnjax
+from attnjax import dense
 
 # the module (attnjax.attention is also the name of the one-head function)
 attention_module = importlib.import_module("attnjax.attention")
@@ -23,17 +24,17 @@ attention_module = importlib.import_module("attnjax.attention")
 B, T, S, N, K, H, V = 3, 6, 9, 4, 2, 4, 5
 
 
-def _inputs(seed, dtype, bias_shape):
+def _inputs(seed, dtype, bias_shape, t=T, s=S):
     keys = jax.random.split(jax.random.key(seed), 6)
-    q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32).astype(dtype)
-    k = jax.random.normal(keys[1], (B, S, K, H), jnp.float32).astype(dtype)
-    v = jax.random.normal(keys[2], (B, S, K, V), jnp.float32).astype(dtype)
+    q = jax.random.normal(keys[0], (B, t, N, H), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (B, s, K, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (B, s, K, V), jnp.float32).astype(dtype)
     bias = (None if bias_shape is None
             else jax.random.normal(keys[3], bias_shape, jnp.float32).astype(dtype))
     # random visibility, one row of example 0 seeing nothing, one key nobody sees
-    mask = jax.random.bernoulli(keys[4], 0.7, (B, 1, T, S))
+    mask = jax.random.bernoulli(keys[4], 0.7, (B, 1, t, s))
     mask = mask.at[0, 0, 1].set(False).at[1, 0, :, 2].set(False)
-    lse_weights = jax.random.normal(keys[5], (B, T, N), jnp.float32).astype(dtype)
+    lse_weights = jax.random.normal(keys[5], (B, t, N), jnp.float32).astype(dtype)
     return q, k, v, bias, mask, lse_weights
 
 
@@ -65,6 +66,49 @@ def test_written_derivative_equals_autodiff_float64(bias_shape):
     assert jnp.all(grads[1][1, 2] == 0) and jnp.all(grads[2][1, 2] == 0)
     assert jnp.all(grads[0][0, 1] == 0)
     assert jnp.any(grads[0][0, 0] != 0)
+
+
+@pytest.mark.parametrize("t, s", [(70, 66), (130, 129)])
+def test_written_derivative_equals_autodiff_float64_on_larger_grids(t, s):
+    """The derivative's product of the weights and dv is written two ways by the size
+    of the grid (dense._MIX_EINSUM_GRIDS); the small grid above takes one, these the
+    einsum (70 x 66) and the other form again (130 x 129)."""
+    assert (dense._MIX_EINSUM_GRIDS[0] < 70 * 66 <= dense._MIX_EINSUM_GRIDS[1] < 130 * 129
+            and T * S <= dense._MIX_EINSUM_GRIDS[0])
+    q, k, v, bias, mask, lse_weights = _inputs(5, jnp.float64, (B, N, t, s), t, s)
+    written, autodiff = (
+        jax.jit(jax.value_and_grad(_loss(a, mask, lse_weights), (0, 1, 2, 3)))(q, k, v, bias)
+        for a in (False, True))
+    chex.assert_trees_all_close(written, autodiff, rtol=1e-12, atol=1e-12)
+    chex.assert_tree_all_finite(written)
+
+
+def _causal_gradient(seed: int, shape):
+    """The compiled gradient's HLO text of a causal dense call's loss Σ out · g on fresh
+    q, k, v and g of `shape`, the loss, and (q, k, v, g)."""
+    q, k, v, g = (jax.random.normal(x, shape, jnp.float32)
+                  for x in jax.random.split(jax.random.key(seed), 4))
+
+    def loss(q, k, v):
+        out = attnjax.dot_product_attention(q, k, v, is_causal=True, implementation="dense")
+        return jnp.sum(out * g)
+
+    program = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile().as_text()
+    return program, loss, (q, k, v, g)
+
+
+def test_a_small_grids_gradient_takes_no_product_over_a_leading_axis():
+    """On a small grid (the copy model's 16 x 16) dv's cotangent Pᵀ dO is taken with
+    dO copied transposed: no product in the compiled gradient contracts an axis of its
+    left operand other than the last, which XLA's CPU backend runs several times slower
+    (one such product took 0.9 ms of a 5.5 ms training step at (128, 16, 64, 4))."""
+    program = _causal_gradient(13, (8, 16, 2, 16))[0]
+    ranks = {name: len(dims.split(",")) if dims else 0
+             for name, dims in re.findall(r"(%[\w.\-]+) = \w+\[([\d,]*)\]", program)}
+    products = re.findall(r" dot\((%[\w.\-]+), .*?lhs_contracting_dims=\{(\d+)\}", program)
+    assert len(products) >= 5  # q kᵀ, P v and three in the backward pass
+    for lhs, contracted in products:
+        assert int(contracted) == ranks[lhs] - 1, (lhs, contracted)
 
 
 def test_forward_mode_and_second_derivatives_equal_autodiff_float64():
@@ -149,14 +193,7 @@ def test_a_masked_gradient_reads_q_and_k_once_each():
     """The logits and their derivatives read the same q and k, each with its hidden rows
     or columns selected away: the compiled gradient of a masked call copies each of q
     and k once (before, the logits read them as they are, a second copy of each)."""
-    keys = jax.random.split(jax.random.key(12), 4)
-    q, k, v, g = (jax.random.normal(x, (1, 64, 2, 16), jnp.float32) for x in keys)
-
-    def loss(q, k, v):
-        out = attnjax.dot_product_attention(q, k, v, is_causal=True, implementation="dense")
-        return jnp.sum(out * g)
-
-    program = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile().as_text()
+    program, loss, (q, k, v, g) = _causal_gradient(12, (1, 64, 2, 16))
     entry = program[program.index("ENTRY"):]
     for number in (0, 1):  # q, k
         name = re.search(rf"(%[\w.]+) = \S+ parameter\({number}\)", entry).group(1)

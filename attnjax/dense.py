@@ -90,7 +90,8 @@ _SMALL_GRID = 128 * 128
 # the barrier form (the copy model's whole step 1.00-1.02 -> 1.07); at (64, 32, 64, 4)
 # and (32, 64, 64, 4) the barrier form is 3-18% faster too; at (32, 64, 128, 4) the two
 # are even; at (16, 128, 128, 4) the einsum is faster unmasked (1.36-1.41 against 1.25)
-# and even causal; at T=512, the barrier form is faster.
+# and even causal; at T=512, the barrier form is faster. The small grids' form is a CPU
+# one (other backends, not measured, keep the einsum there).
 _MIX_EINSUM_GRIDS = (64 * 64, _SMALL_GRID)
 
 
@@ -190,9 +191,10 @@ def _plain_jvp(primals, tangents):
     weighted = weights * d_logits
     d_lse = jnp.sum(weighted, axis=-1)
     mix = lambda w, x: core.contract_last(w.astype(v.dtype), x.T, acc)  # noqa: E731
-    # P dv: the barrier form (contract_last's tangent) on small and large grids, the
-    # einsum between them (see _MIX_EINSUM_GRIDS).
-    if _MIX_EINSUM_GRIDS[0] < weights.size <= _MIX_EINSUM_GRIDS[1]:
+    # P dv: the barrier form (contract_last's tangent) on large grids and, on a CPU, on
+    # small ones; the einsum between them (see _MIX_EINSUM_GRIDS).
+    small = _MIX_EINSUM_GRIDS[0] if jax.default_backend() == "cpu" else 0
+    if small < weights.size <= _MIX_EINSUM_GRIDS[1]:
         d_mixed = mix(weighted, v) + jnp.einsum("TS,SV->TV", weights.astype(v.dtype), d_v,
                                                 preferred_element_type=acc)
     else:

@@ -100,11 +100,12 @@ def stepwise_greedy_decode(model, params, src, lengths, *, max_len: int, memory_
     decodes (the decode=True modules' cache, `apply(..., mutable=["cache"])` a token at a
     time): each call is its own program, so no compiler can lift the projection of the
     encoder's memory out of the loop; only the cache keeps it from being redone. As a
-    server would, it traces the model once: the encoding and the empty cache are one
+    server would, it traces the model once: the encoding and the starting cache are one
     jitted call, each token another."""
     model = model.clone(deterministic=True)
     decoder = model.clone(decode=True)
-    memory, cache = _start(model, params, src, lengths, max_len=max_len)
+    memory, cache = _start(model, params, src, lengths, max_len=max_len,
+                           memory_cache=memory_cache)
     tokens = []
     last, done = jnp.full((src.shape[0],), BOS, jnp.int32), jnp.zeros((src.shape[0],), bool)
     for _ in range(max_len):
@@ -114,8 +115,9 @@ def stepwise_greedy_decode(model, params, src, lengths, *, max_len: int, memory_
     return jnp.stack(tokens, axis=1)
 
 
-# the encoder's memory and the empty cache, as greedy_decode starts
-_start = jax.jit(decoding._start, static_argnames=("model", "max_len"))
+# the encoder's memory and the cache, as greedy_decode starts (with the projected memory,
+# or without it for the steps to project)
+_start = jax.jit(decoding._start, static_argnames=("model", "max_len", "memory_cache"))
 
 
 @functools.partial(jax.jit, static_argnames=("decoder", "memory_cache"),

@@ -472,3 +472,45 @@ def test_greedy_decode_projects_the_memory_once(rng):
     assert products[1] - products[0] == 2 * config.num_decoder_layers, products
     with own_checks_only(), pytest.raises(TypeError, match="memory_cache must be a bool"):
         nn.greedy_decode(model, params, src, src_lengths, memory_cache="yes", **kwargs)
+
+
+def _compiled_products_outside_loops(hlo: str) -> int:
+    """The products of a compiled program that run once: in its entry computation and
+    the computations it calls, but not in a while loop's body or condition."""
+    computations, name = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY )?(%[\w.\-]+) .*\{$", line)
+        if header:
+            name = "ENTRY" if line.startswith("ENTRY") else header.group(1)
+            computations[name] = []
+        elif name is not None:
+            computations[name].append(line)
+
+    def count(name):
+        lines = computations[name]
+        called = [c for line in lines
+                  for c in re.findall(r"(?:calls|to_apply)=(%[\w.\-]+)", line)]
+        return sum(" dot(" in line for line in lines) + sum(map(count, called))
+    return count("ENTRY")
+
+
+def test_greedy_decode_compiles_one_decoder_step(rng):
+    """The memory is projected before the loop by a decoder pass of which only those
+    projections are compiled: outside its loop, the compiled decoding holds the
+    encoder's products and two per decoder layer (a first step outside the loop held
+    the whole decoder's)."""
+    # the model and shapes of the test above, whose program the suite's cache holds
+    config = _transformer(num_kv_heads=1)
+    model = nn.Transformer(config)
+    src = _tokens(rng, B, S, 11)
+    src_lengths = jnp.array([S, 3], jnp.int32)
+    params = _init(model, rng, src, src[:, :3])["params"]
+    kwargs = dict(max_len=7, bos_id=1, eos_id=2, pad_id=0)
+    hlo = decoding._greedy_decode.lower(model, params, src, src_lengths,
+                                        **kwargs).compile().as_text()
+    encoder = jax.jit(functools.partial(model.clone(deterministic=True).apply,
+                                        method=nn.Transformer.encode)).lower(
+        {"params": params}, src, src_lengths).compile().as_text()
+    assert _compiled_products_outside_loops(encoder) > 0
+    assert (_compiled_products_outside_loops(hlo)
+            == _compiled_products_outside_loops(encoder) + 2 * config.num_decoder_layers)

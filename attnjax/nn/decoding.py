@@ -62,7 +62,7 @@ def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len:
     Each sequence stops at its EOS (kept; pad after it); the loop stops when every
     sequence has, or at max_len. The encoder runs once; the decoder runs one token a
     step on the KV cache, and its cross-attentions project the encoder's memory once,
-    at the first step, and keep it in the cache (memory_cache=False: at every step,
+    before the first step, and keep it in the cache (memory_cache=False: at every step,
     the same tokens more slowly). max_len must be at least 1 (and at most the model's max_len
     with learned positions); the ids must be in the target vocabulary; src tokens and
     src_lengths (each in [1, S]) are checked when they are known, outside jit.
@@ -113,7 +113,8 @@ def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int
                    bos_id: int, eos_id: int, pad_id: int, memory_cache: bool = True):
     b = src.shape[0]
     model = model.clone(deterministic=True)   # decoding never drops out
-    memory, cache = _start(model, params, src, src_lengths, max_len=max_len)
+    memory, cache = _start(model, params, src, src_lengths, max_len=max_len,
+                           memory_cache=memory_cache)
     decoder = model.clone(decode=True)
 
     def step(state):
@@ -134,18 +135,37 @@ def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int
 
     init = (jnp.int32(0), jnp.full((b, max_len), pad_id, jnp.int32),
             jnp.full((b,), bos_id, jnp.int32), jnp.zeros((b,), bool), cache)
-    # the first step (max_len >= 1) runs outside the loop: it adds the projected memory
-    return lax.while_loop(running, step, step(init))[1]
+    return lax.while_loop(running, step, init)[1]
 
 
-def _start(model: Transformer, params, src, src_lengths, *, max_len: int):
-    """The encoder's memory `[B, S, D]` and the empty cache of `model.clone(decode=True)`:
-    the self-attention caches, empty; the cross-attentions' projected memory left out,
-    for the first step to project and keep (every step, without memory_cache)."""
+def _start(model: Transformer, params, src, src_lengths, *, max_len: int,
+           memory_cache: bool = True):
+    """The encoder's memory `[B, S, D]` and the cache of `model.clone(decode=True)` that
+    decoding starts from: the self-attention caches, empty, and the cross-attentions'
+    projected memory (left out without memory_cache: every step projects it).
+
+    The memory is projected by a decoder pass over one token whose cache is then
+    dropped: of that pass only the memory's projections reach the result, and XLA
+    compiles nothing else of it (a first decoding step outside the loop compiled the
+    whole decoder a second time)."""
     memory = model.apply({"params": params}, src, src_lengths, method=Transformer.encode)
     tgt = jnp.zeros((src.shape[0], max_len), jnp.int32)
-    cache = _empty_cache(model.clone(decode=True), memory, tgt, method=_full_length_decoder)
-    return memory, _without_memory(cache)
+    decoder = model.clone(decode=True)
+    cache = _without_memory(_empty_cache(decoder, memory, tgt, method=_full_length_decoder))
+    if not memory_cache:
+        return memory, cache
+    _, variables = decoder.apply({"params": params, "cache": cache}, tgt[:, :1], memory,
+                                 src_lengths, method=Transformer.decode_logits,
+                                 mutable=["cache"])
+    return memory, _with_memory(cache, variables["cache"])
+
+
+def _with_memory(cache, primed):
+    """cache with the cross-attentions' projected memory of primed added."""
+    return {name: (primed[name] if name in PROJECTED_KEY_VALUE
+                   else _with_memory(cache[name], primed[name]) if hasattr(sub, "items")
+                   else cache[name])
+            for name, sub in primed.items()}
 
 
 def _without_memory(cache):

@@ -162,8 +162,8 @@ def _start(model: Transformer, params, src, src_lengths, *, max_len: int,
 
 def _with_memory(cache, primed):
     """cache with the cross-attentions' projected memory of primed added."""
-    return {name: (primed[name] if name in PROJECTED_KEY_VALUE
-                   else _with_memory(cache[name], primed[name]) if hasattr(sub, "items")
+    return {name: (sub if name in PROJECTED_KEY_VALUE
+                   else _with_memory(cache[name], sub) if hasattr(sub, "items")
                    else cache[name])
             for name, sub in primed.items()}
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import attnjax
 from attnjax import chunked, heads, masks
-from tests import reference
+from tests import draws, reference
 from tests.numerics import relative_error
 
 # (B, T, S, N, K, H, V, block sizes): no length a multiple of its block in most rows.
@@ -25,13 +25,8 @@ SHAPES = [
 
 
 def _inputs(seed, b, t, s, n, k, h, v, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    return (
-        jax.random.normal(keys[0], (b, t, n, h), jnp.float32).astype(dtype),
-        jax.random.normal(keys[1], (b, s, k, h), jnp.float32).astype(dtype),
-        jax.random.normal(keys[2], (b, s, k, v), jnp.float32).astype(dtype),
-        jax.random.normal(keys[3], (b, t, n, v), jnp.float32).astype(dtype),
-    )
+    return draws.normals(seed, (b, t, n, h), (b, s, k, h), (b, s, k, v), (b, t, n, v),
+                         dtype=dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("flags", "block_sizes"))
@@ -89,20 +84,20 @@ def cases(draw):
 def test_chunked_equals_dense_outputs_and_gradients(case):
     b, t, s, n, k, h, v = case["shape"]
     q, kk, vv, d_out = _inputs(case["seed"], *case["shape"])
-    keys = jax.random.split(jax.random.key(case["seed"] + 1), 4)
+    more = draws.host(case["seed"] + 1)
     bias_shape = (b, n, t, s) if case["bias"] == "full" else (1, 1, 1, s)
-    bias = jax.random.normal(keys[0], bias_shape, jnp.float32)
+    bias = draws.normal(more, bias_shape)
     options = dict(is_causal=case["causal"], window=case["window"])
     if case["lengths"] in ("query", "both"):
-        options["query_lengths"] = jax.random.randint(keys[1], (b,), 1, t + 1, jnp.int32)
+        options["query_lengths"] = draws.randint(more, (b,), 1, t + 1)
     if case["lengths"] in ("key", "both"):
-        options["key_lengths"] = jax.random.randint(keys[2], (b,), 1, s + 1, jnp.int32)
+        options["key_lengths"] = draws.randint(more, (b,), 1, s + 1)
     if case["mask"] == "rows_masked":  # rows 0 and 2 see no key at all
         rows_masked = np.ones((b, 1, t, s), bool)
         rows_masked[:, :, [0, 2]] = False
         options["mask"] = jnp.asarray(rows_masked)
     elif case["mask"] == "random":
-        options["mask"] = jax.random.bernoulli(keys[3], 0.6, (b, n, t, s))
+        options["mask"] = draws.bernoulli(more, 0.6, (b, n, t, s))
 
     (dense_out, dense_grads), (out, grads) = _outputs_and_grads(
         q, kk, vv, d_out, bias, options, case["blocks"])
@@ -159,10 +154,10 @@ def test_dropout_is_deterministic_per_rng_and_unbiased():
     run_one = jax.jit(run)
     np.testing.assert_array_equal(run_one(jax.random.key(1)), run_one(jax.random.key(1)))
     assert not np.allclose(run_one(jax.random.key(1)), run_one(jax.random.key(2)))
-    draws = 3000
-    outs = np.asarray(jax.jit(jax.vmap(run))(jax.random.split(jax.random.key(4), draws)))
+    samples = 3000
+    outs = np.asarray(jax.jit(jax.vmap(run))(jax.random.split(jax.random.key(4), samples)))
     expected = np.asarray(_attention(q, k, v, implementation="dense"))
-    sem = outs.std(0) / np.sqrt(draws)
+    sem = outs.std(0) / np.sqrt(samples)
     assert np.all(np.abs(outs.mean(0) - expected) <= 5 * sem + 1e-6)
 
 
@@ -217,11 +212,10 @@ def test_a_loop_over_one_block_visits_it_as_one_kind(t, s):
     and a grid of one block has half the products of a grid of two by two blocks."""
     b, n, k, h, v = 2, 2, 1, 4, 3
     q, kk, vv, d_out = _inputs(t * s, b, t, s, n, k, h, v)
-    keys = jax.random.split(jax.random.key(s), 3)
-    bias = jax.random.normal(keys[0], (1, 1, 1, s), jnp.float32)
-    options = dict(is_causal=True,
-                   key_lengths=jax.random.randint(keys[1], (b,), 1, s + 1, jnp.int32),
-                   mask=jax.random.bernoulli(keys[2], 0.7, (b, 1, t, s)))
+    more = draws.host(s)
+    bias = draws.normal(more, (1, 1, 1, s))
+    options = dict(is_causal=True, key_lengths=draws.randint(more, (b,), 1, s + 1),
+                   mask=draws.bernoulli(more, 0.7, (b, 1, t, s)))
     (dense_out, dense_grads), (out, grads) = _outputs_and_grads(
         q, kk, vv, d_out, bias, options, (8, 8))
     chex.assert_tree_all_finite((out, grads))
@@ -271,8 +265,7 @@ def test_heads_in_groups_equal_all_heads_at_once(monkeypatch, n, k):
     or over G when K = 1): the same outputs, log-sum-exps and gradients — into q, k, v,
     a bias, the sinks and a score_mod's closed-over slopes — dropout included."""
     q, key, v, d_out = _inputs(5, 2, 13, 21, n, k, 8, 5)
-    bias = jax.random.normal(jax.random.key(6), (2, n, 13, 21))
-    sinks = jax.random.normal(jax.random.key(7), (n,))
+    bias, sinks = draws.normals(6, (2, n, 13, 21), (n,))
     slopes = attnjax.scores.alibi_slopes(n)
 
     def run(q, key, v, bias, sinks, slopes):

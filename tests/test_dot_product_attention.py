@@ -12,19 +12,15 @@ from hypothesis import strategies as st
 
 import attnjax
 from attnjax import scores
-from tests import reference
+from tests import draws, reference
 from tests.checks import lowerings
 
 B, T, S, N, K, H, V = 2, 5, 7, 6, 3, 4, 11
 
 
 def _qkv(rng, b=B, t=T, s=S, n=N, k=K, h=H, v=V, dtype=jnp.float32):
-    kq, kk, kv = jax.random.split(rng, 3)
-    return (
-        jax.random.normal(kq, (b, t, n, h), dtype),
-        jax.random.normal(kk, (b, s, k, h), dtype),
-        jax.random.normal(kv, (b, s, k, v), dtype),
-    )
+    """q, k, v from rng (a key, a seed or a generator: tests.draws)."""
+    return draws.normals(rng, (b, t, n, h), (b, s, k, h), (b, s, k, v), dtype=dtype)
 
 
 def _jax_nn(query, key, value, **kw):
@@ -91,18 +87,18 @@ def cases(draw):
 @given(cases())
 def test_matches_jax_nn_float32(case):
     b, t, s, n, k = case["b"], case["t"], case["s"], case["n"], case["k"]
-    keys = jax.random.split(jax.random.key(case["seed"]), 6)
-    q, kk, v = _qkv(keys[0], b, t, s, n, k, case["h"], case["v"])
+    generator = draws.host(case["seed"])
+    q, kk, v = _qkv(generator, b, t, s, n, k, case["h"], case["v"])
     mask_shape = {None: None, "full": (b, n, t, s), "per_example": (b, 1, 1, s),
                   "per_head_query": (1, n, t, 1)}[case["mask"]]
-    mask = None if mask_shape is None else jax.random.bernoulli(keys[1], 0.7, mask_shape)
+    mask = None if mask_shape is None else draws.bernoulli(generator, 0.7, mask_shape)
     bias_shape = {None: None, "full": (b, n, t, s), "key_only": (1, 1, 1, s)}[case["bias"]]
-    bias = None if bias_shape is None else jax.random.normal(keys[2], bias_shape, jnp.float32)
+    bias = None if bias_shape is None else draws.normal(generator, bias_shape)
     q_len = k_len = None
     if case["lengths"] in ("query", "both"):
-        q_len = jax.random.randint(keys[3], (b,), 1, t + 1, jnp.int32)
+        q_len = draws.randint(generator, (b,), 1, t + 1)
     if case["lengths"] in ("key", "both"):
-        k_len = jax.random.randint(keys[4], (b,), 1, s + 1, jnp.int32)
+        k_len = draws.randint(generator, (b,), 1, s + 1)
 
     ours, theirs = _ours_and_jax_nn(q, kk, v, bias, mask, q_len, k_len,
                                     is_causal=case["causal"])
@@ -133,9 +129,9 @@ def test_matches_jax_nn_float32(case):
      (6, 6, True, (3, 0)), (7, 4, False, 1), (2, 7, True, (0, 0))],
 )
 def test_matches_float64_reference_causal_and_windows(rng, t, s, causal, window):
-    keys = jax.random.split(rng, 4)
-    q, k, v = _qkv(keys[0], t=t, s=s, dtype=jnp.float64)
-    bias = jax.random.normal(keys[1], (B, N, t, s), jnp.float64)
+    generator = draws.host(rng)
+    q, k, v = _qkv(generator, t=t, s=s, dtype=jnp.float64)
+    bias = draws.normal(generator, (B, N, t, s), jnp.float64)
     q_len = jnp.array([t, max(1, t - 2)], jnp.int32)
     k_len = jnp.array([max(1, s - 1), s], jnp.int32)
     w = (window, window) if isinstance(window, int) else window
@@ -156,8 +152,9 @@ def test_causal_with_fewer_queries_sees_the_whole_prefix(rng):
 
 
 def test_unbatched_equals_batched(rng):
-    q, k, v = _qkv(rng)
-    mask = jax.random.bernoulli(jax.random.fold_in(rng, 1), 0.8, (N, T, S))
+    generator = draws.host(rng)
+    q, k, v = _qkv(generator)
+    mask = draws.bernoulli(generator, 0.8, (N, T, S))
     batched = _attention(q, k, v, mask=mask[None], key_lengths=jnp.array([4, 6], jnp.int32))
     for e, k_len in enumerate((4, 6)):
         single = _attention(q[e], k[e], v[e], mask=mask, key_lengths=jnp.array(k_len, jnp.int32))
@@ -166,8 +163,9 @@ def test_unbatched_equals_batched(rng):
 
 def test_each_head_is_the_core_attention(rng):
     """The batched form is the core applied per (example, query head) with its kv head."""
-    q, k, v = _qkv(rng)
-    bias = jax.random.normal(jax.random.fold_in(rng, 1), (B, N, T, S), jnp.float32)
+    generator = draws.host(rng)
+    q, k, v = _qkv(generator)
+    bias = draws.normal(generator, (B, N, T, S))
     out, weights = _attention(q, k, v, bias, return_weights=True)
     core_attention, core_weights = jax.jit(attnjax.attention), jax.jit(attnjax.attention_weights)
     g = N // K

@@ -14,11 +14,10 @@ from jax.sharding import Mesh, PartitionSpec
 import attnjax
 from attnjax import masks, nn
 from attnjax.parallel import ring
+from tests import draws
 
 B, T, S, N, K, H, V = 2, 5, 7, 6, 3, 4, 11
-q = jax.random.normal(jax.random.key(0), (B, T, N, H), jnp.float32)
-k = jax.random.normal(jax.random.key(1), (B, S, K, H), jnp.float32)
-v = jax.random.normal(jax.random.key(2), (B, S, K, V), jnp.float32)
+q, k, v = draws.normals(0, (B, T, N, H), (B, S, K, H), (B, S, K, V))
 dpa = attnjax.dot_product_attention
 LENGTHS = np.array([S, 3], np.int32)   # example 1's keys 3.. are padding
 
@@ -74,7 +73,7 @@ def _ring_in_shard_map(query, key, value, **kw):
                          in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(query, key, value)
 
 
-q8 = jax.random.normal(jax.random.key(7), (B, 8, 2, H), jnp.float32)
+q8 = draws.normal(7, (B, 8, 2, H))
 TOKENS = np.array([[3, 4, 5, 6]], np.int32)
 
 # (id, call, exception, regex the message must match)

@@ -24,7 +24,7 @@ from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import cli, make_task, sequence_parallel
 from attnjax.toy import train as training
 from attnjax.toy.config import ConfigError, dump_config, load_config
-from tests import children, training_run
+from tests import children, draws, training_run
 from tests.numerics import as_users_run
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
@@ -150,7 +150,7 @@ def test_zigzag_equals_dense_skips_invisible_steps_and_balances_causal_work(rng,
 
 
 def test_layout_round_trip_and_errors(rng):
-    x = np.asarray(jax.random.randint(rng, (3, 13, 2), 0, 100), np.int32)
+    x = draws.host(rng).integers(0, 100, (3, 13, 2)).astype(np.int32)
     laid = context.lay_out(x, 3, fill=-1)
     assert laid.shape == (3, 18, 2) and np.sum(laid == -1) == 3 * 5 * 2
     np.testing.assert_array_equal(context.restore(jnp.asarray(laid), 3, 13), x)

@@ -14,13 +14,14 @@ import pytest
 
 import attnjax
 from attnjax import masks, nn, scores
+from tests import draws
 from tests.trees import perturbed as _perturbed
 
 B, D, N, K = 2, 12, 4, 2
 
 
 def _x(rng, *shape):
-    return jax.random.normal(rng, shape, jnp.float32)
+    return draws.normal(rng, shape)
 
 
 @pytest.mark.parametrize("implementation", ["dense", "chunked"])
@@ -199,7 +200,7 @@ def test_model_configs_carry_soft_caps_and_sinks_into_every_attention(rng):
     config = nn.DecoderOnlyConfig(vocab_size=11, d_model=16, num_heads=2, d_ff=32,
                                   num_layers=2, attention_soft_cap=2.0, attention_sinks=True)
     model = nn.DecoderOnly(config)
-    tokens = jax.random.randint(rng, (2, 7), 1, 11, jnp.int32)
+    tokens = draws.randint(rng, (2, 7), 1, 11)
     params = jax.jit(model.init)(rng, tokens)["params"]
     assert all(params["decoder"][f"layer_{i}"]["self"]["sinks"].shape == (2,) for i in range(2))
     plain = nn.DecoderOnly(dataclasses.replace(config, attention_soft_cap=None))

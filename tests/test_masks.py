@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import attnjax
 from attnjax import masks, scores
 from attnjax.core import MASKED
+from tests import draws
 from tests import masks_reference as ref
 
 # Query and key lengths; 1000 is drawn rarely, and only with one example.
@@ -948,8 +949,7 @@ def test_masks_of_different_rules_have_different_tree_structures():
             assert (sa == sb) == (a == b), (a, b, sa, sb)
     assert jax.tree.structure(masks.causal()) == jax.tree.structure(masks.causal())
     # a call without a mask, then a causal one, on one compiled function: each its own
-    q, k, v = (jax.random.normal(key, (1, 5, 2, 4), jnp.float32)
-               for key in jax.random.split(jax.random.key(7), 3))
+    q, k, v = draws.normals(7, (1, 5, 2, 4), (1, 5, 2, 4), (1, 5, 2, 4))
     run = jax.jit(lambda mask: attnjax.dot_product_attention(q, k, v, mask=mask))
     plain, causal = run(masks.everything()), run(masks.causal())
     np.testing.assert_allclose(plain, attnjax.dot_product_attention(q, k, v), rtol=1e-5,

@@ -22,7 +22,7 @@ from attnjax.toy.config import load_config
 from attnjax.toy.report import TIMING_KEYS
 from attnjax.toy.sequences import DecoderOnlyFormat, Sequences
 from attnjax.toy.tasks import BOS, EOS, PAD
-from tests import children, trees
+from tests import children, draws, trees
 
 ROOT = Path(__file__).resolve().parents[1]
 # Examples of distinct lengths, packed into rows of 19 (room for 2 of pad after them).
@@ -40,11 +40,11 @@ def _packed_rows(rng, vocab: int):
     tokens = np.zeros((len(LENGTHS), ROW), np.int32)
     segments, positions = np.zeros_like(tokens), np.zeros_like(tokens)
     examples = []
+    generator = draws.host(rng)
     for row, lengths in enumerate(LENGTHS):
         start = 0
         for segment, n in enumerate(lengths, 1):
-            example = np.asarray(jax.random.randint(jax.random.fold_in(rng, 10 * row + segment),
-                                                    (n,), 3, vocab), np.int32)
+            example = generator.integers(3, vocab, n).astype(np.int32)
             tokens[row, start:start + n] = example
             segments[row, start:start + n] = segment
             positions[row, start:start + n] = np.arange(n)
@@ -85,12 +85,12 @@ def test_transformer_packed_rows_equal_each_example_alone(rng):
     tgt = np.zeros((len(LENGTHS), 17), np.int32)
     tgt_segments, tgt_positions = np.zeros_like(tgt), np.zeros_like(tgt)
     targets, start = [], {}
+    generator = draws.host(jax.random.fold_in(rng, 2))
     for i, (row, _, _) in enumerate(sources):
         n = 2 + i % 4
         first = start.get(row, 0)
         segment = int(src_segments[row, sources[i][1].start])
-        example = np.asarray(jax.random.randint(jax.random.fold_in(rng, 100 + i), (n,), 3, 13),
-                             np.int32)
+        example = generator.integers(3, 13, n).astype(np.int32)
         tgt[row, first:first + n] = example
         tgt_segments[row, first:first + n] = segment
         tgt_positions[row, first:first + n] = np.arange(n)
@@ -111,7 +111,7 @@ def test_transformer_packed_rows_equal_each_example_alone(rng):
 
 @pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
 def test_positions_default_to_0_to_length(rng, positional):
-    x = jax.random.normal(rng, (2, 7, 16), jnp.float32)
+    x = draws.normal(rng, (2, 7, 16))
     module = nn.PositionalEncoding(max_len=11, kind=positional)
     params = _perturbed(jax.jit(module.init)(rng, x), rng)
     # Applied eagerly: under jit the default positions are constants XLA may fold, which
@@ -128,7 +128,7 @@ def test_generate_left_padded_prompts_equal_each_prompt_alone(rng):
                                                 num_kv_heads=1, d_ff=24, max_len=20,
                                                 positional="learned"))
     lengths = np.array([5, 2, 4], np.int32)
-    prompt = np.asarray(jax.random.randint(rng, (3, 5), 3, 13), np.int32)
+    prompt = draws.host(rng).integers(3, 13, (3, 5)).astype(np.int32)
     prompt[np.arange(5)[None, :] < 5 - lengths[:, None]] = PAD
     params = _perturbed(jax.jit(model.init)(rng, prompt)["params"], rng, 0.5)
     out = nn.generate(model, params, prompt, lengths, max_new_tokens=6)

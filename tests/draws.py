@@ -27,9 +27,11 @@ def _on_device(x: np.ndarray, dtype) -> jax.Array:
     return jax.device_put(np.asarray(x, dtype=jnp.dtype(dtype)))
 
 
-def normal(source: Source, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
-    """Standard normal draws (float32 ones for narrower dtypes, rounded to them)."""
-    draw = host(source).standard_normal(shape)
+def normal(source: Source, shape: tuple[int, ...], dtype=jnp.float32,
+           scale: float = 1.0) -> jax.Array:
+    """Normal draws with mean 0 and standard deviation `scale` (float32 ones for
+    narrower dtypes, rounded to them)."""
+    draw = scale * host(source).standard_normal(shape)
     if jnp.dtype(dtype).itemsize < 4:
         draw = draw.astype(np.float32)
     return _on_device(draw, dtype)

@@ -9,6 +9,7 @@ import pytest
 import attnjax
 from attnjax import chunked, masks, scores
 from attnjax.core import MASKED
+from tests import draws
 from tests.numerics import relative_error
 
 B, T, N, K, H = 2, 200, 4, 2, 16
@@ -47,15 +48,14 @@ def _heads_first(q, scale, block_q):
 
 
 def _inputs(seed):
-    keys = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
+    generator = draws.host(seed)
+    q = draws.normal(generator, (B, T, N, H))
     # the second and the fourth query block far larger: their logits pass ±cap
     rows = jnp.arange(T)
     big = ((rows // BLOCKS[0]) % 2 == 1)[None, :, None, None]
     q = jnp.where(big, 8.0 * q, q)
-    k, v = (jax.random.normal(key, (B, T, K, H), jnp.float32) for key in keys[1:3])
-    d_out = jax.random.normal(keys[3], (B, T, N, H), jnp.float32)
-    sinks = jax.random.normal(keys[4], (N,), jnp.float32)
+    k, v, d_out, sinks = draws.normals(generator, (B, T, K, H), (B, T, K, H), (B, T, N, H),
+                                       (N,))
     return q, k, v, d_out, sinks
 
 
@@ -119,13 +119,13 @@ def test_bounded_shift_keeps_rows_of_very_negative_logits():
     weights exp(−2·cap) stay normal floats: the row averages its values instead of
     seeing nothing."""
     cap = chunked.BOUNDED_RANGE / 2
-    keys = jax.random.split(jax.random.key(2), 3)
-    k = jax.random.normal(keys[0], (1, 40, 1, H), jnp.float32)
+    generator = draws.host(2)
+    k = draws.normal(generator, (1, 40, 1, H))
     k = k.at[..., 0].set(3.0 + jnp.abs(k[..., 0]))
     # every query −100·e₀: q·k·H^−½ ≤ −75 < −cap for every key
     q = jnp.zeros((1, 24, 1, H), jnp.float32).at[..., 0].set(-100.0)
     assert float(jnp.max(jnp.einsum("bth,bsh->bts", q[:, :, 0], k[:, :, 0]))) * H ** -0.5 < -cap
-    v = jax.random.normal(keys[1], (1, 40, 1, H), jnp.float32)
+    v = draws.normal(generator, (1, 40, 1, H))
     mod = scores.soft_cap(cap)
     dense, out = jax.jit(lambda q, k, v: [
         attnjax.dot_product_attention(q, k, v, score_mod=mod, implementation=implementation,
@@ -139,8 +139,7 @@ def test_bounded_shift_keeps_rows_of_very_negative_logits():
 def test_bounded_shift_with_large_sinks_and_rows_that_see_nothing():
     """A sink above the cap becomes the shift; a row that sees no key gives zeros and
     the log-sum-exp MASKED without a sink, the sink's own logit with one."""
-    keys = jax.random.split(jax.random.key(3), 3)
-    q, k, v = (jax.random.normal(key, (1, 30, 2, H), jnp.float32) for key in keys)
+    q, k, v = draws.normals(3, (1, 30, 2, H), (1, 30, 2, H), (1, 30, 2, H))
     mod = scores.soft_cap(10.0)
     # the first three queries see no key
     lengths = masks.lengths(query=jnp.array([27]))

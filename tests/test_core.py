@@ -10,18 +10,15 @@ import pytest
 from jax.test_util import check_grads
 
 import attnjax
+from tests import draws
 
 # Distinct sizes per axis, so a swapped axis cannot pass.
 T, S, H, V = 5, 7, 3, 11
 
 
 def _qkv(rng, dtype=jnp.float32, t=T, s=S, h=H, v=V):
-    kq, kk, kv = jax.random.split(rng, 3)
-    return (
-        jax.random.normal(kq, (t, h), dtype),
-        jax.random.normal(kk, (s, h), dtype),
-        jax.random.normal(kv, (s, v), dtype),
-    )
+    """q, k, v from rng (a key, a seed or a generator: tests.draws)."""
+    return draws.normals(rng, (t, h), (s, h), (s, v), dtype=dtype)
 
 
 def test_hand_computed_case():
@@ -54,24 +51,29 @@ class TestCoreVariants(chex.TestCase):
 
 
 def test_weight_rows_sum_to_one(rng):
-    q, k, _ = _qkv(rng)
-    mask = jax.random.bernoulli(jax.random.fold_in(rng, 1), 0.6, (T, S)).at[:, 0].set(True)
+    generator = draws.host(rng)
+    q, k, _ = _qkv(generator)
+    visible = generator.random((T, S)) < 0.6
+    visible[:, 0] = True
+    mask = jax.device_put(visible)
     weights = attnjax.attention_weights(q, k, mask=mask)
     np.testing.assert_allclose(weights.sum(-1), np.ones(T), rtol=1e-6)
     assert jnp.all(jnp.where(mask, True, weights == 0))
 
 
 def test_permuting_keys_and_values_together_changes_nothing(rng):
-    q, k, v = _qkv(rng)
-    perm = jax.random.permutation(jax.random.fold_in(rng, 1), S)
+    generator = draws.host(rng)
+    q, k, v = _qkv(generator)
+    perm = generator.permutation(S)
     np.testing.assert_allclose(
         attnjax.attention(q, k[perm], v[perm]), attnjax.attention(q, k, v), rtol=1e-5, atol=1e-6
     )
 
 
 def test_permuting_queries_permutes_the_output(rng):
-    q, k, v = _qkv(rng)
-    perm = jax.random.permutation(jax.random.fold_in(rng, 1), T)
+    generator = draws.host(rng)
+    q, k, v = _qkv(generator)
+    perm = generator.permutation(T)
     np.testing.assert_allclose(
         attnjax.attention(q[perm], k, v), attnjax.attention(q, k, v)[perm], rtol=1e-5, atol=1e-6
     )
@@ -84,15 +86,11 @@ def _softmax_rows(x):
 
 
 def test_alignment_functions_against_hand_written_numpy(rng):
-    keys = jax.random.split(rng, 6)
+    generator = draws.host(rng)
     hq, hk, a = 3, 5, 13
-    q = jax.random.normal(keys[0], (T, hq), jnp.float64)
-    k = jax.random.normal(keys[1], (S, hk), jnp.float64)
-    v = jax.random.normal(keys[2], (S, V), jnp.float64)
-    w = jax.random.normal(keys[3], (hq, hk), jnp.float64)
-    w_q = jax.random.normal(keys[4], (hq, a), jnp.float64)
-    w_k = jax.random.normal(keys[5], (hk, a), jnp.float64)
-    v_a = jax.random.normal(jax.random.fold_in(rng, 9), (a,), jnp.float64)
+    q, k, v, w, w_q, w_k, v_a, k_same = draws.normals(
+        generator, (T, hq), (S, hk), (S, V), (hq, hk), (hq, a), (hk, a), (a,), (S, hq),
+        dtype=jnp.float64)
     qn, kn, vn = map(np.asarray, (q, k, v))
 
     general = np.array([[qn[i] @ np.asarray(w) @ kn[j] for j in range(S)] for i in range(T)])
@@ -110,7 +108,6 @@ def test_alignment_functions_against_hand_written_numpy(rng):
     np.testing.assert_allclose(
         attnjax.attention(q, k, v, score_fn=score), _softmax_rows(additive) @ vn, rtol=1e-12
     )
-    k_same = jax.random.normal(keys[1], (S, hq), jnp.float64)
     np.testing.assert_allclose(attnjax.dot_score(q, k_same), qn @ np.asarray(k_same).T, rtol=1e-12)
     np.testing.assert_allclose(
         attnjax.scaled_dot_score(q, k_same, scale=0.3), 0.3 * qn @ np.asarray(k_same).T, rtol=1e-12
@@ -118,12 +115,15 @@ def test_alignment_functions_against_hand_written_numpy(rng):
 
 
 def test_gradients_float64_order_2(rng):
-    q, k, v = _qkv(rng, jnp.float64)
-    bias = jax.random.normal(jax.random.fold_in(rng, 1), (T, S), jnp.float64)
-    mask = jax.random.bernoulli(jax.random.fold_in(rng, 2), 0.7, (T, S)).at[:, 2].set(True)
+    generator = draws.host(rng)
+    q, k, v = _qkv(generator, jnp.float64)
+    bias = draws.normal(generator, (T, S), jnp.float64)
+    visible = generator.random((T, S)) < 0.7
+    visible[:, 2] = True
+    mask = jax.device_put(visible)
     fn = lambda q, k, v, bias: attnjax.attention(q, k, v, mask=mask, bias=bias)  # noqa: E731
     check_grads(jax.jit(fn), (q, k, v, bias), order=2, modes=("fwd", "rev"))
-    w = jax.random.normal(jax.random.fold_in(rng, 3), (H, H), jnp.float64)
+    w = draws.normal(generator, (H, H), jnp.float64)
     general = lambda q, k, v, w: attnjax.attention(  # noqa: E731
         q, k, v, score_fn=functools.partial(attnjax.general_score, w=w))
     check_grads(jax.jit(general), (q, k, v, w), order=2, modes=("fwd", "rev"))

@@ -13,10 +13,12 @@ import re
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import attnjax
 from attnjax import dense
+from tests import draws
 
 # the module (attnjax.attention is also the name of the one-head function)
 attention_module = importlib.import_module("attnjax.attention")
@@ -25,16 +27,14 @@ B, T, S, N, K, H, V = 3, 6, 9, 4, 2, 4, 5
 
 
 def _inputs(seed, dtype, bias_shape, t=T, s=S):
-    keys = jax.random.split(jax.random.key(seed), 6)
-    q = jax.random.normal(keys[0], (B, t, N, H), jnp.float32).astype(dtype)
-    k = jax.random.normal(keys[1], (B, s, K, H), jnp.float32).astype(dtype)
-    v = jax.random.normal(keys[2], (B, s, K, V), jnp.float32).astype(dtype)
-    bias = (None if bias_shape is None
-            else jax.random.normal(keys[3], bias_shape, jnp.float32).astype(dtype))
+    generator = draws.host(seed)
+    q, k, v = draws.normals(generator, (B, t, N, H), (B, s, K, H), (B, s, K, V), dtype=dtype)
+    bias = None if bias_shape is None else draws.normal(generator, bias_shape, dtype)
     # random visibility, one row of example 0 seeing nothing, one key nobody sees
-    mask = jax.random.bernoulli(keys[4], 0.7, (B, 1, t, s))
-    mask = mask.at[0, 0, 1].set(False).at[1, 0, :, 2].set(False)
-    lse_weights = jax.random.normal(keys[5], (B, t, N), jnp.float32).astype(dtype)
+    visible = generator.random((B, 1, t, s)) < 0.7
+    visible[0, 0, 1] = visible[1, 0, :, 2] = False
+    mask = jax.device_put(visible)
+    lse_weights = draws.normal(generator, (B, t, N), dtype)
     return q, k, v, bias, mask, lse_weights
 
 
@@ -86,8 +86,7 @@ def test_written_derivative_equals_autodiff_float64_on_larger_grids(t, s):
 def _causal_gradient(seed: int, shape):
     """The compiled gradient's HLO text of a causal dense call's loss Σ out · g on fresh
     q, k, v and g of `shape`, the loss, and (q, k, v, g)."""
-    q, k, v, g = (jax.random.normal(x, shape, jnp.float32)
-                  for x in jax.random.split(jax.random.key(seed), 4))
+    q, k, v, g = draws.normals(seed, shape, shape, shape, shape)
 
     def loss(q, k, v):
         out = attnjax.dot_product_attention(q, k, v, is_causal=True, implementation="dense")
@@ -113,8 +112,8 @@ def test_a_small_grids_gradient_takes_no_product_over_a_leading_axis():
 
 def test_forward_mode_and_second_derivatives_equal_autodiff_float64():
     q, k, v, bias, mask, lse_weights = _inputs(1, jnp.float64, (B, N, T, S))
-    tangents = tuple(jax.random.normal(jax.random.key(i + 10), x.shape, jnp.float64)
-                     for i, x in enumerate((q, k, v, bias)))
+    generator = draws.host(10)
+    tangents = tuple(draws.normal(generator, x.shape, jnp.float64) for x in (q, k, v, bias))
 
     @jax.jit
     def jvp_and_hessian(q, k, v, bias):
@@ -159,10 +158,7 @@ def test_a_decoding_step_sums_the_seen_values_in_one_pass():
     v with the select inside the sum: no product reads v or a masked copy of it. NaN
     and inf in hidden values reach neither the output nor a gradient; the numbers equal
     the path that zeroes v first (return_weights=True), in float32 and bfloat16."""
-    keys = jax.random.split(jax.random.key(11), 4)
-    q = jax.random.normal(keys[0], (B, 1, N, H), jnp.float32)
-    k = jax.random.normal(keys[1], (B, S, K, H), jnp.float32)
-    v = jax.random.normal(keys[2], (B, S, K, V), jnp.float32)
+    q, k, v = draws.normals(11, (B, 1, N, H), (B, S, K, H), (B, S, K, V))
     lengths = jnp.array([S, 3, 6])
     hidden = (jnp.arange(S)[None, :] >= lengths[:, None])[..., None, None]
     poison = jnp.array([jnp.nan, jnp.inf, -jnp.inf], v.dtype)[:, None, None, None]
@@ -227,23 +223,21 @@ def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
     """Parts of the batch (here 3 of B=5, unequal) give the numbers of one part: every
     per-example array (segment ids, lengths, bias, dropout keys) follows its example."""
     b = 5
-    keys = jax.random.split(jax.random.key(4), 8)
-    q = jax.random.normal(keys[0], (b, T, N, H), jnp.float32)
-    k = jax.random.normal(keys[1], (b, S, K, H), jnp.float32)
-    v = jax.random.normal(keys[2], (b, S, K, V), jnp.float32)
-    bias = jax.random.normal(keys[3], (b, N, T, S), jnp.float32)
-    segments = jax.random.randint(keys[4], (b, S), 0, 2).sort(axis=-1)
+    generator = draws.host(4)
+    q, k, v, bias = draws.normals(generator, (b, T, N, H), (b, S, K, H), (b, S, K, V),
+                                  (b, N, T, S))
+    segments = jax.device_put(np.sort(generator.integers(0, 2, (b, S), np.int32), axis=-1))
     mask = attnjax.masks.segments(segments[:, :T], segments)
-    k_lengths = jax.random.randint(keys[5], (b,), 1, S + 1)
-    tangents = tuple(jax.random.normal(key, x.shape, x.dtype) for key, x in
-                     zip(jax.random.split(keys[7], 4), (q, k, v, bias)))
+    k_lengths = draws.randint(generator, (b,), 1, S + 1)
+    tangents = draws.normals(generator, q.shape, k.shape, v.shape, bias.shape)
+    dropout_key = jax.random.key(4)
 
     def run(q, k, v, bias, dropout=0.0):
         # (out, lse); dropout takes the autodiff path, no dropout the written derivative
         return attnjax.dot_product_attention(
             q, k, v, bias=bias, mask=mask, key_lengths=k_lengths, implementation="dense",
             return_residual=True, dropout_rate=dropout,
-            dropout_rng=keys[6] if dropout > 0 else None)
+            dropout_rng=dropout_key if dropout > 0 else None)
 
     def results():  # one program for the call, with and without dropout, gradients,
         # forward mode and second derivatives (a Hessian-vector product)

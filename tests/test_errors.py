@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 
 import attnjax
+from tests import draws
 
 B, T, S, N, K, H, V = 2, 5, 7, 6, 3, 4, 11
-q = jax.random.normal(jax.random.key(0), (B, T, N, H), jnp.float32)
-k = jax.random.normal(jax.random.key(1), (B, S, K, H), jnp.float32)
-v = jax.random.normal(jax.random.key(2), (B, S, K, V), jnp.float32)
+q, k, v = draws.normals(0, (B, T, N, H), (B, S, K, H), (B, S, K, V))
 dpa = attnjax.dot_product_attention
 params = attnjax.init_multi_head_attention(jax.random.key(3), 8, 4, out_features=6)
-x = jax.random.normal(jax.random.key(4), (B, T, 8), jnp.float32)
+x = draws.normal(4, (B, T, 8))
 
 
 def _replace(tree, name, leaf, value):

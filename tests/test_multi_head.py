@@ -10,19 +10,20 @@ import numpy as np
 from jax.test_util import check_grads
 
 import attnjax
+from tests import draws
+from tests.trees import perturbed
 
 B, T, S, D, DK, N, F = 2, 5, 7, 12, 10, 4, 9
 
 
 def _inputs(rng, dtype=jnp.float32):
-    kq, kk = jax.random.split(rng)
-    return jax.random.normal(kq, (B, T, D), dtype), jax.random.normal(kk, (B, S, DK), dtype)
+    return draws.normals(rng, (B, T, D), (B, S, DK), dtype=dtype)
 
 
 def _random_params(rng, **kw):
     """Non-zero biases too, so a dropped bias cannot pass."""
-    return _randomised(attnjax.init_multi_head_attention(rng, D, N, **kw),
-                       jax.random.fold_in(rng, 1))
+    return perturbed(attnjax.init_multi_head_attention(rng, D, N, **kw),
+                     jax.random.fold_in(rng, 1))
 
 
 def test_param_tree_equals_flax(rng):
@@ -38,7 +39,9 @@ def test_param_tree_equals_flax(rng):
 def test_flax_params_give_flax_output(rng):
     x, y = _inputs(rng)
     module = nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=16, out_features=F)
-    mask = jax.random.bernoulli(jax.random.fold_in(rng, 2), 0.7, (B, 1, T, S)).at[..., 0].set(True)
+    visible = draws.host(jax.random.fold_in(rng, 2)).random((B, 1, T, S)) < 0.7
+    visible[..., 0] = True
+    mask = jax.device_put(visible)
     params = module.init(rng, x, y)["params"]
     params = jax.tree.map(lambda p: p + 0.1, params)  # non-zero biases
     with jax.numpy_dtype_promotion("standard"):
@@ -117,8 +120,8 @@ def test_kernel_gradients_read_each_input_transposed_once(rng):
     projection's cotangent, four). Gradients, a forward-mode derivative and gradients
     through frozen kernels equal flax's module on the same parameters."""
     b, t = 4, 24  # B·T = 96 rows, no other axis of that size
-    x = jax.random.normal(rng, (b, t, D), jnp.float32)
-    target = jax.random.normal(jax.random.fold_in(rng, 2), (b, t, D), jnp.float32)
+    generator = draws.host(rng)
+    x, target = draws.normals(generator, (b, t, D), (b, t, D))
     params = _random_params(jax.random.fold_in(rng, 3))
     module = nn.MultiHeadDotProductAttention(num_heads=N)
 
@@ -134,7 +137,7 @@ def test_kernel_gradients_read_each_input_transposed_once(rng):
     assert len(transposed) == 2, transposed
     # (the key bias's gradient is zero up to rounding: softmax ignores a shift of a row)
     chex.assert_trees_all_close(grad(params, x), grad(params, x, False), rtol=1e-5, atol=1e-4)
-    tangents = jax.tree.map(lambda p: jax.random.normal(rng, p.shape, p.dtype), (params, x))
+    tangents = jax.tree.map(lambda p: draws.normal(generator, p.shape, p.dtype), (params, x))
     chex.assert_trees_all_close(jax.jvp(loss, (params, x), tangents),
                                 jax.jvp(lambda p, x: loss(p, x, False), (params, x), tangents),
                                 rtol=1e-5, atol=1e-4)
@@ -148,9 +151,10 @@ def test_dense_layers_kernel_gradient_copies_the_narrower_side(rng):
     its cotangent `[48, rows]`; the narrowing layer keeps autodiff's form, which copies
     its narrower cotangent. Gradients and a forward-mode derivative equal plain
     lax.dot_general's; any other product is lax.dot_general's."""
-    x = jax.random.normal(rng, (4, 24, 12), jnp.float32)  # 96 rows
+    generator = draws.host(rng)
+    x = draws.normal(generator, (4, 24, 12))  # 96 rows
     ffn = attnjax.nn.FeedForward(d_ff=48)
-    params = _randomised(ffn.init(jax.random.fold_in(rng, 1), x), rng)
+    params = perturbed(ffn.init(jax.random.fold_in(rng, 1), x), jax.random.fold_in(rng, 2))
 
     def loss(params, x, plain=False):
         if plain:
@@ -167,19 +171,11 @@ def test_dense_layers_kernel_gradient_copies_the_narrower_side(rng):
     assert not re.findall(r"= f32\[48,96\]\{1,0\} ", entry)
     assert re.findall(r"= f32\[12,96\]\{1,0\} ", entry)
     chex.assert_trees_all_close(grad(params, x), grad(params, x, True), rtol=1e-5, atol=1e-5)
-    tangents = jax.tree.map(lambda p: jax.random.normal(rng, p.shape, p.dtype), (params, x))
+    tangents = jax.tree.map(lambda p: draws.normal(generator, p.shape, p.dtype), (params, x))
     chex.assert_trees_all_close(jax.jvp(loss, (params, x), tangents),
                                 jax.jvp(lambda p, x: loss(p, x, True), (params, x), tangents),
                                 rtol=1e-5, atol=1e-5)
-    a, b = (jax.random.normal(k, (3, 4, 5)) for k in jax.random.split(rng))
+    a, b = draws.normals(generator, (3, 4, 5), (3, 4, 5))
     batched = (((2,), (1,)), ((0,), (0,)))
     np.testing.assert_array_equal(attnjax.multi_head.dot_general(a, b.swapaxes(1, 2), batched),
                                   jax.lax.dot_general(a, b.swapaxes(1, 2), batched))
-
-
-def _randomised(params, rng):
-    """params plus noise: biases non-zero."""
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(rng, len(leaves))
-    return jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
-                                     for x, k in zip(leaves, keys)])

@@ -7,18 +7,17 @@ import numpy as np
 import pytest
 
 import attnjax
+from tests import draws
 
 B, T, S, N, H, V = 2, 5, 7, 3, 4, 6
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
 def _qkv(rng, dtype, scale=1.0):
-    kq, kk, kv = jax.random.split(rng, 3)
-    return (
-        (scale * jax.random.normal(kq, (B, T, N, H), jnp.float32)).astype(dtype),
-        (scale * jax.random.normal(kk, (B, S, N, H), jnp.float32)).astype(dtype),
-        jax.random.normal(kv, (B, S, N, V), jnp.float32).astype(dtype),
-    )
+    generator = draws.host(rng)
+    return (draws.normal(generator, (B, T, N, H), dtype, scale),
+            draws.normal(generator, (B, S, N, H), dtype, scale),
+            draws.normal(generator, (B, S, N, V), dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -20,6 +20,8 @@ from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import cli
 from attnjax.toy.config import ConfigError, dump_config, load_config
 from attnjax.toy.report import attention_figure, curves_figure, scalar_tag
+from tests import draws
+from tests.trees import perturbed
 
 TINY = ["task.num_symbols=5", "task.max_len=6", "model.d_model=16", "model.num_heads=2",
         "model.d_ff=32", "model.num_encoder_layers=1", "model.num_decoder_layers=1",
@@ -33,10 +35,7 @@ def _lm(rng, dropout_rate=0.0):
     model = nn.DecoderOnly(config)
     params = jax.jit(model.init)(rng, jnp.ones((1, 6), jnp.int32))["params"]
     # larger than the initial weights, so that logits differ clearly between tokens
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.fold_in(rng, 1), len(leaves))
-    noisy = [x + 0.5 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
-    return model, jax.tree.unflatten(tree, noisy)
+    return model, perturbed(params, jax.random.fold_in(rng, 1), 0.5)
 
 
 # --- models: deterministic as in flax -----------------------------------------------------
@@ -52,7 +51,7 @@ def _apply(model, params, tokens, key=None, *, deterministic=None, padding_mask=
 
 def test_a_model_with_dropout_needs_deterministic_and_applies_dropout_when_false(rng):
     model, params = _lm(rng, dropout_rate=0.3)
-    tokens = jax.random.randint(rng, (2, 6), 1, 11, jnp.int32)
+    tokens = draws.randint(rng, (2, 6), 1, 11)
     with pytest.raises(ValueError, match=r"DecoderOnly has dropout \(dropout_rate=0.3.*"
                                          r"deterministic is required: False to train"):
         _apply(model, params, tokens)
@@ -85,9 +84,10 @@ def test_dtype_is_taken_as_a_jnp_dtype_or_its_name():
 def _padded(rng, lengths, width, side):
     """Random prompts of `lengths`, padded with 0 on `side` to `width`."""
     rows, mask = np.zeros((len(lengths), width), np.int32), np.zeros((len(lengths), width), bool)
+    generator = draws.host(rng)
     for b, n in enumerate(lengths):
         cols = slice(0, n) if side == "right" else slice(width - n, width)
-        rows[b, cols] = np.asarray(jax.random.randint(jax.random.fold_in(rng, b), (n,), 1, 11))
+        rows[b, cols] = generator.integers(1, 11, n)
         mask[b, cols] = True
     return rows, mask
 
@@ -130,8 +130,7 @@ def test_generate_on_padded_prompts_equals_generating_each_alone(rng, side):
 def test_a_query_without_its_heads_axis_is_named(rng):
     # the library's own checks, beneath the suite's jaxtyping check (as a user runs it)
     dot_product_attention = inspect.unwrap(attnjax.dot_product_attention)
-    q = jax.random.normal(rng, (2, 5, 8), jnp.float32)           # [B, T, H]: N forgotten
-    kv = jax.random.normal(rng, (2, 7, 1, 8), jnp.float32)       # [B, S, K, H]
+    q, kv = draws.normals(rng, (2, 5, 8), (2, 7, 1, 8))   # [B, T, H]: N forgotten; [B, S, K, H]
     with pytest.raises(ValueError, match=r"query lacks an axis; if it is \[B, L, H\], its "
                                          r"heads axis N is missing: add it with "
                                          r"query\[:, :, None, :\]"):
@@ -145,7 +144,7 @@ def test_a_query_without_its_heads_axis_is_named(rng):
 
 
 def test_a_wrong_input_width_is_blamed_on_the_input(rng):
-    x = jax.random.normal(rng, (2, 5, 24), jnp.float32)
+    x = draws.normal(rng, (2, 5, 24))
     params = attnjax.init_multi_head_attention(rng, in_features=32, num_heads=4)
     with pytest.raises(ValueError, match=r"^inputs_q has 24 features \(its last axis, D\); "
                                          r"these parameters project 32"):
@@ -216,12 +215,12 @@ def test_docstrings_start_with_one_line(obj):
 
 
 def _records(rng, steps=8):
-    draws = np.asarray(jax.random.uniform(rng, (steps, 4), jnp.float32))
-    logs = [{"step": 10 * (i + 1), "loss": float(2.0 - 0.2 * i + 0.1 * draws[i, 0]),
-             "accuracy": float(draws[i, 1]), "learning_rate": 1e-3 * (1 - i / steps),
+    u = draws.host(rng).random((steps, 4))
+    logs = [{"step": 10 * (i + 1), "loss": float(2.0 - 0.2 * i + 0.1 * u[i, 0]),
+             "accuracy": float(u[i, 1]), "learning_rate": 1e-3 * (1 - i / steps),
              "tokens_per_s": 100.0} for i in range(steps)]
-    evals = [{"step": 10 * (i + 1), "eval_token_accuracy": float(draws[i, 2]),
-              "eval_exact_match": float(draws[i, 3])} for i in range(1, steps, 2)]
+    evals = [{"step": 10 * (i + 1), "eval_token_accuracy": float(u[i, 2]),
+              "eval_exact_match": float(u[i, 3])} for i in range(1, steps, 2)]
     return sorted(logs + evals, key=lambda r: r["step"])
 
 
@@ -252,10 +251,10 @@ def test_curves_put_loss_with_learning_rate_and_each_accuracy_on_its_own_panel(r
 
 def test_attention_heatmaps_have_a_colour_bar_labelled_axes_and_legible_ticks(rng):
     src, tgt = list("0123456"), ["<bos>", "a", "b", "c"]
-    keys = jax.random.split(rng, 3)
-    maps = {"encoder/layer_0/self": jax.random.uniform(keys[0], (1, 2, 7, 7)),
-            "decoder/layer_0/self": jax.random.uniform(keys[1], (1, 2, 4, 4)),
-            "decoder/layer_0/cross": jax.random.uniform(keys[2], (1, 2, 4, 7))}
+    generator = draws.host(rng)
+    maps = {name: jax.device_put(generator.random(shape, np.float32)) for name, shape in
+            (("encoder/layer_0/self", (1, 2, 7, 7)), ("decoder/layer_0/self", (1, 2, 4, 4)),
+             ("decoder/layer_0/cross", (1, 2, 4, 7)))}
     fig = attention_figure(maps, src, tgt)
     heatmaps = [ax for ax in fig.get_axes() if ax.get_images()]
     bars = [ax for ax in fig.get_axes() if ax.get_ylabel() == "attention weight"]
@@ -285,8 +284,8 @@ def test_attention_labels_of_a_short_sequence_stay_apart(rng):
     """A decoder-only model's short sequence: panels narrower than their titles and
     key labels, and shorter than the query label, are spaced by their labels."""
     tokens = ["0", "<sep>", "<pad>"]
-    keys = jax.random.split(rng, 2)
-    maps = {f"decoder/layer_{i}/self": jax.random.uniform(keys[i], (1, 3, 3, 3))
+    generator = draws.host(rng)
+    maps = {f"decoder/layer_{i}/self": jax.device_put(generator.random((1, 3, 3, 3), np.float32))
             for i in range(2)}
     fig = attention_figure(maps, tokens, tokens)
     fig.canvas.draw()

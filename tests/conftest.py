@@ -48,9 +48,10 @@ if "ATTNJAX_TEST_CACHE" not in os.environ:
     _CACHE_OWNER = True
 else:
     _CACHE_OWNER = False
-# The test data is drawn with threefry in its classic (non-partitionable) form, whose
-# programs XLA compiles about three times faster on CPU; every test draws fresh data
-# either way, and command-line runs the tests start inherit the same setting.
+# The test data is drawn on the host (tests/draws.py); the keys the tests hand to the
+# library (initialisation, dropout) use threefry in its classic (non-partitionable)
+# form, whose programs XLA compiles about three times faster on CPU; every test draws
+# fresh data either way, and command-line runs the tests start inherit the same setting.
 os.environ["JAX_THREEFRY_PARTITIONABLE"] = "0"
 
 import jax  # noqa: E402

@@ -41,7 +41,7 @@ class TestCoreVariants(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_shapes_and_dtypes(self):
         for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
-            q, k, v = _qkv(jax.random.key(3), dtype)
+            q, k, v = _qkv(3, dtype)
             out = self.variant(attnjax.attention)(q, k, v)
             weights = self.variant(attnjax.attention_weights)(q, k)
             chex.assert_shape(out, (T, V))

@@ -30,11 +30,11 @@ def test_soft_cap_near_zero_form_is_tanh_within_2_5_ulp(cap):
     rs = np.random.RandomState(int(cap * 1000) % 2**31)
     s = (rs.uniform(-1.0, 1.0, 200_000) * cap).astype(np.float32)
     exact = cap * np.tanh(s.astype(np.float64) / cap)
-    values = np.asarray(jax.jit(near)(jnp.asarray(s)))
+    values = np.asarray(jax.jit(near)(jax.device_put(s)))
     nonzero = s != 0
     assert _ulps(values, exact)[nonzero].max() <= 2.5
     # its derivative is 1 − tanh², as autodiff of the exact form gives
-    slopes = np.asarray(jax.jit(jax.vmap(jax.grad(near)))(jnp.asarray(s[:2000])))
+    slopes = np.asarray(jax.jit(jax.vmap(jax.grad(near)))(jax.device_put(s[:2000])))
     np.testing.assert_allclose(slopes, 1 - np.tanh(s[:2000].astype(np.float64) / cap) ** 2,
                                rtol=0, atol=3e-7)
 
@@ -49,14 +49,12 @@ def _heads_first(q, scale, block_q):
 
 def _inputs(seed):
     generator = draws.host(seed)
-    q = draws.normal(generator, (B, T, N, H))
+    q = generator.standard_normal((B, T, N, H)).astype(np.float32)
     # the second and the fourth query block far larger: their logits pass ±cap
-    rows = jnp.arange(T)
-    big = ((rows // BLOCKS[0]) % 2 == 1)[None, :, None, None]
-    q = jnp.where(big, 8.0 * q, q)
+    q[:, (np.arange(T) // BLOCKS[0]) % 2 == 1] *= 8.0
     k, v, d_out, sinks = draws.normals(generator, (B, T, K, H), (B, T, K, H), (B, T, N, H),
                                        (N,))
-    return q, k, v, d_out, sinks
+    return jax.device_put(q), k, v, d_out, sinks
 
 
 def test_near_zero_blocks_are_sound_and_both_kinds_occur():
@@ -120,10 +118,12 @@ def test_bounded_shift_keeps_rows_of_very_negative_logits():
     seeing nothing."""
     cap = chunked.BOUNDED_RANGE / 2
     generator = draws.host(2)
-    k = draws.normal(generator, (1, 40, 1, H))
-    k = k.at[..., 0].set(3.0 + jnp.abs(k[..., 0]))
+    k = generator.standard_normal((1, 40, 1, H)).astype(np.float32)
+    k[..., 0] = 3.0 + np.abs(k[..., 0])
     # every query −100·e₀: q·k·H^−½ ≤ −75 < −cap for every key
-    q = jnp.zeros((1, 24, 1, H), jnp.float32).at[..., 0].set(-100.0)
+    q = np.zeros((1, 24, 1, H), np.float32)
+    q[..., 0] = -100.0
+    q, k = jax.device_put((q, k))
     assert float(jnp.max(jnp.einsum("bth,bsh->bts", q[:, :, 0], k[:, :, 0]))) * H ** -0.5 < -cap
     v = draws.normal(generator, (1, 40, 1, H))
     mod = scores.soft_cap(cap)

@@ -1,7 +1,6 @@
 """Inverted dropout on the attention weights."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import attnjax
@@ -32,7 +31,8 @@ def test_same_rng_same_output_and_rate_changes_output(rng):
 
 
 def test_mean_over_many_rngs_is_preserved(rng):
-    q, k, v = _qkv(rng)
+    generator = draws.host(rng)
+    q, k, v = _qkv(generator)
     rate, samples = 0.4, 4000
     expected = np.asarray(attnjax.dot_product_attention(q, k, v), np.float64)
     sample = jax.jit(jax.vmap(lambda key: attnjax.dot_product_attention(
@@ -42,7 +42,7 @@ def test_mean_over_many_rngs_is_preserved(rng):
     # Every element within 5 standard errors (3σ would fail ~0.3% of 480 elements
     # by chance), and a fixed random projection of all of them within 3σ.
     assert np.all(np.abs(mean - expected) <= 5 * sem + 1e-6)
-    w = draws.host(jax.random.fold_in(rng, 2)).standard_normal(expected.shape)
+    w = generator.standard_normal(expected.shape)
     proj = (outs * w).sum(axis=(1, 2, 3, 4))
     assert abs(proj.mean() - (expected * w).sum()) <= 3 * proj.std() / np.sqrt(samples)
 
@@ -50,7 +50,7 @@ def test_mean_over_many_rngs_is_preserved(rng):
 def test_masks_differ_across_examples_and_heads(rng):
     # Identical data in every example and head: only the dropout masks can tell them apart.
     one = draws.normals(rng, (1, T, 1, H), (1, S, 1, H), (1, S, 1, V))
-    q, k, v = (jnp.broadcast_to(x, shape) for x, shape in
+    q, k, v = (jax.device_put(np.broadcast_to(x, shape)) for x, shape in
                zip(one, ((B, T, N, H), (B, S, K, H), (B, S, K, V))))
     plain = attnjax.dot_product_attention(q, k, v)
     np.testing.assert_allclose(plain[0], plain[1], rtol=1e-6)

@@ -98,7 +98,7 @@ def test_decoder_only_with_a_padding_mask_gives_each_sequence_its_logits_alone(r
     tokens, mask = _padded(rng, [6, 3, 3], 6, side)
     logits = _apply(model, params, tokens, padding_mask=mask)
     for b in range(3):
-        alone = _apply(model, params, jnp.asarray(tokens[b][mask[b]])[None])
+        alone = _apply(model, params, jax.device_put(tokens[b][mask[b]][None]))
         np.testing.assert_allclose(logits[b][mask[b]], alone[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"padding_mask must have the shape of tokens "
                                          r"\[B, L\] = \[3, 6\]; got \[3, 5\]"):
@@ -110,17 +110,17 @@ def test_generate_on_padded_prompts_equals_generating_each_alone(rng, side):
     model, params = _lm(rng)
     lengths = np.array([2, 6, 2], np.int32)
     prompt, mask = _padded(rng, lengths, 6, side)
-    out = np.asarray(nn.generate(model, params, jnp.asarray(prompt), jnp.asarray(lengths),
+    out = np.asarray(nn.generate(model, params, jax.device_put(prompt), jax.device_put(lengths),
                                  max_new_tokens=5, padding_side=side))
     assert out.shape == (3, 11)
     for b, n in enumerate(lengths):
-        alone = np.asarray(nn.generate(model, params, jnp.asarray(prompt[b][mask[b]])[None],
+        alone = np.asarray(nn.generate(model, params, jax.device_put(prompt[b][mask[b]][None]),
                                        max_new_tokens=5))[0]
         row = out[b, :n + 5] if side == "right" else out[b, 6 - n:]
         np.testing.assert_array_equal(row, alone)
     with pytest.raises(ValueError, match=r"padding_side must be one of \('left', 'right'\); "
                                          r"got 'middle'"):
-        nn.generate(model, params, jnp.asarray(prompt), jnp.asarray(lengths),
+        nn.generate(model, params, jax.device_put(prompt), jax.device_put(lengths),
                     max_new_tokens=1, padding_side="middle")
 
 

@@ -49,6 +49,11 @@ def randint(source: Source, shape: tuple[int, ...], low: int, high: int,
     return _on_device(host(source).integers(low, high, shape), dtype)
 
 
-def bernoulli(source: Source, p: float, shape: tuple[int, ...]) -> jax.Array:
-    """True with probability p."""
-    return _on_device(host(source).random(shape) < p, jnp.bool_)
+def bernoulli(source: Source, p: float, shape: tuple[int, ...],
+              always: int | None = None) -> jax.Array:
+    """True with probability p; along the last axis, index `always` is always True (a
+    random mask in which every query sees that key, so no row is empty)."""
+    draw = host(source).random(shape) < p
+    if always is not None:
+        draw[..., always] = True
+    return _on_device(draw, jnp.bool_)

@@ -53,9 +53,7 @@ class TestCoreVariants(chex.TestCase):
 def test_weight_rows_sum_to_one(rng):
     generator = draws.host(rng)
     q, k, _ = _qkv(generator)
-    visible = generator.random((T, S)) < 0.6
-    visible[:, 0] = True
-    mask = jax.device_put(visible)
+    mask = draws.bernoulli(generator, 0.6, (T, S), always=0)
     weights = attnjax.attention_weights(q, k, mask=mask)
     np.testing.assert_allclose(weights.sum(-1), np.ones(T), rtol=1e-6)
     assert jnp.all(jnp.where(mask, True, weights == 0))
@@ -118,9 +116,7 @@ def test_gradients_float64_order_2(rng):
     generator = draws.host(rng)
     q, k, v = _qkv(generator, jnp.float64)
     bias = draws.normal(generator, (T, S), jnp.float64)
-    visible = generator.random((T, S)) < 0.7
-    visible[:, 2] = True
-    mask = jax.device_put(visible)
+    mask = draws.bernoulli(generator, 0.7, (T, S), always=2)
     fn = lambda q, k, v, bias: attnjax.attention(q, k, v, mask=mask, bias=bias)  # noqa: E731
     check_grads(jax.jit(fn), (q, k, v, bias), order=2, modes=("fwd", "rev"))
     w = draws.normal(generator, (H, H), jnp.float64)

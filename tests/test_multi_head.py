@@ -40,9 +40,7 @@ def test_flax_params_give_flax_output(rng):
     generator = draws.host(rng)
     x, y = _inputs(generator)
     module = nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=16, out_features=F)
-    visible = generator.random((B, 1, T, S)) < 0.7
-    visible[..., 0] = True
-    mask = jax.device_put(visible)
+    mask = draws.bernoulli(generator, 0.7, (B, 1, T, S), always=0)
     params = module.init(rng, x, y)["params"]
     params = jax.device_put(jax.tree.map(lambda p: np.asarray(p) + 0.1, params))  # non-zero biases
     with jax.numpy_dtype_promotion("standard"):

@@ -48,9 +48,7 @@ def test_mha_params_and_outputs_equal_flax(rng, kind):
     y = x if kind == "self" else _x(jax.random.fold_in(rng, 2), B, S, DK)
     mask = None
     if kind == "masked":
-        visible = draws.host(jax.random.fold_in(rng, 3)).random((B, 1, T, S)) < 0.7
-        visible[..., 0] = True
-        mask = jax.device_put(visible)
+        mask = draws.bernoulli(jax.random.fold_in(rng, 3), 0.7, (B, 1, T, S), always=0)
     ours = nn.MultiHeadAttention(num_heads=N, qkv_features=16, out_features=9)
     theirs = flax_nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=16, out_features=9)
     with jax.numpy_dtype_promotion("standard"):

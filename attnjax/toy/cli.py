@@ -430,7 +430,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
     output_vocab = DecoderOnlyFormat(task).vocab if isinstance(model, DecoderOnly) else None
     optimizer = training.make_optimizer(config.optim, config.steps)
     try:
-        abstract = training.abstract_state(model, optimizer, task, config.seed, mesh)
+        abstract = training.abstract_state(model, optimizer, task, mesh)
         train_step = training.make_train_step(model, optimizer, config.optim, config.steps,
                                               config.seed, abstract, mesh,
                                               api=config.model.api)

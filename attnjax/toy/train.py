@@ -67,7 +67,9 @@ def quick_compilation() -> dict:
     return QUICK_COMPILATION if jax.default_backend() == "cpu" else {}
 
 
-def init_key(seed: int) -> jax.Array:
+def init_key(seed: int | jax.Array) -> jax.Array:
+    """The parameters' key: of an int, or of an int32 scalar inside the
+    initialisation's program (the same key)."""
     return jax.random.fold_in(jax.random.key(seed), 0)
 
 
@@ -137,23 +139,24 @@ def _model_batch(model, task, batch: Batch) -> Batch | Sequences:
 
 
 @functools.lru_cache(maxsize=1)   # abstract_state, then init_state: one trace
-def _init(model, optimizer, task, seed: int, mesh):
-    """The initialisation as a function of nothing, its output's shapes and their
-    shardings."""
+def _init(model, optimizer, task, mesh):
+    """The initialisation as a function of the seed (an int32 scalar: data to the
+    program, not a constant in it, so that runs of every seed share it in jax's
+    compilation cache), its output's shapes and their shardings."""
     batch = _model_batch(model, task, example_batch(task, 2))
 
-    def init():
+    def init(seed):
         params = model.init(init_key(seed), *_inputs(batch), deterministic=True)["params"]
         return TrainState(jnp.int32(0), params, optimizer.init(params))
 
-    shapes = jax.eval_shape(init)
+    shapes = jax.eval_shape(init, jax.ShapeDtypeStruct((), jnp.int32))
     return init, shapes, mesh_lib.shardings(shapes, mesh)
 
 
-def abstract_state(model, optimizer, task, seed: int, mesh) -> TrainState:
+def abstract_state(model, optimizer, task, mesh) -> TrainState:
     """What `init_state` returns, as shapes, dtypes and shardings
     (`jax.ShapeDtypeStruct`s): enough to compile the train step before the state exists."""
-    _, shapes, shardings = _init(model, optimizer, task, seed, mesh)
+    _, shapes, shardings = _init(model, optimizer, task, mesh)
     return jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding,
                                                  weak_type=s.weak_type), shapes, shardings)
@@ -168,16 +171,17 @@ def init_state(model, optimizer, task, seed: int, mesh, *, alongside=()) -> Trai
     lets go of Python's lock while it does). The train step, given `abstract_state` for
     its state, is then in the jitted function's cache when it first runs: on a 2-core CPU
     the copy config reaches its first step about 2 s sooner from an empty cache."""
-    init, _, shardings = _init(model, optimizer, task, seed, mesh)
-    lowered = jax.jit(init, out_shardings=shardings).lower()
+    init, _, shardings = _init(model, optimizer, task, mesh)
+    seed = mesh_lib.put(np.array(seed, np.int32), mesh_lib.replicated(mesh))
+    lowered = jax.jit(init, out_shardings=shardings).lower(seed)
     if not alongside:
-        return lowered.compile()()
+        return lowered.compile()(seed)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         compiling = pool.submit(lowered.compile)
         for fn, args in alongside:
             fn.lower(*args).compile()
         compiled = compiling.result()
-    return compiled()
+    return compiled(seed)
 
 
 def _inputs(batch: TrainBatch) -> tuple:

@@ -1,6 +1,8 @@
 """Trains every shipped toy config from scratch, one after another, and prints a table of
 held-out accuracy against wall time (the whole command: start-up, compilation, training,
-evaluation, checkpoints and plots).
+evaluation, checkpoints and plots). Each run starts with an empty compilation cache of its
+own, as a first run on a fresh machine does (copy and reverse compile the same
+initialisation, which a shared cache would hand from one to the other).
 
     python benchmarks/toy_tasks.py [--configs copy copy_decoder_only copy_packed ...]
                                    [--workdir DIR]
@@ -8,6 +10,7 @@ evaluation, checkpoints and plots).
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,7 +38,9 @@ def main():
         start = time.perf_counter()
         result = subprocess.run([sys.executable, str(ROOT / "train_toy.py"), "--config",
                                  str(ROOT / "configs" / f"{name}.yaml"), "--workdir",
-                                 str(run_dir)], cwd=ROOT, capture_output=True, text=True)
+                                 str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                                env={**os.environ,
+                                     "JAX_COMPILATION_CACHE_DIR": str(run_dir / "jax_cache")})
         seconds = time.perf_counter() - start
         if result.returncode != 0:
             sys.exit(f"{name} failed ({result.returncode}):\n{result.stderr[-2000:]}")

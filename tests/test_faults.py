@@ -557,5 +557,6 @@ def test_plotting_a_chunked_model_reads_the_dense_weights(tmp_path, float32):
     optimizer = training.make_optimizer(config.optim, config.steps)
     params = training.init_state(model, optimizer, task, config.seed,
                                  children.one_device_mesh()).params
-    cli._plot_attention(tmp_path / "attention.png", model, params, task, batch, batch.tgt_out)
+    cli.plot_attention(tmp_path / "attention.png",
+                       *cli._attention_of_first(model, params, task, batch, batch.tgt_out))
     assert (tmp_path / "attention.png").read_bytes()[:4] == b"\x89PNG"

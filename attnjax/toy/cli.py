@@ -18,6 +18,7 @@ cannot be used; 130 or 143 interrupted by SIGINT or SIGTERM (saying what was sav
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -336,9 +337,10 @@ def _evaluate(model, params, task, eval_batch, config, step: int, mesh):
     return record, predictions
 
 
-def _plot_attention(path: Path, model, params, task, eval_batch, predictions) -> None:
-    """attention.png for the first held-out example, decoding its own prediction.
-    params must be whole on this host (`process_allgather`)."""
+def _attention_of_first(model, params, task, eval_batch, predictions):
+    """`(maps, src_tokens, tgt_tokens)` for attention.png (`plot_attention`): the first
+    held-out example, decoding its own prediction. params must be whole on this host
+    (`process_allgather`)."""
     # Only the dense kernel materialises the weights; the parameters are the same.
     model = type(model)(dataclasses.replace(model.config, implementation="dense"))
     # One compiled call: the model's many small ops run eagerly take seconds.
@@ -360,7 +362,7 @@ def _plot_attention(path: Path, model, params, task, eval_batch, predictions) ->
                          eval_batch.src_lengths[:1])
         src_tokens = [task.src_vocab.token(int(t)) for t in eval_batch.src[0, :length]]
         tgt_tokens = [task.tgt_vocab.token(int(t)) for t in tgt_in[0]]
-    plot_attention(path, attention_maps(state["intermediates"]), src_tokens, tgt_tokens)
+    return attention_maps(state["intermediates"]), src_tokens, tgt_tokens
 
 
 def _save(checkpoints: Checkpoints, step: int, state, record: dict,
@@ -548,10 +550,15 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
         if primary:
             write_samples(workdir / "samples.txt", task, eval_batch, predictions,
                           vocab=output_vocab)
-            plot_curves(workdir / "curves.png", metrics.records)
-            stop.stop_if_requested(after)
-            _plot_attention(workdir / "attention.png", model, params, task, eval_batch,
-                            predictions)
+            # The attention weights' program compiles (outside Python's lock) while
+            # matplotlib draws the curves: the two plots' time was one core's. (The
+            # thread sees jax's process-wide settings, not a caller's `with` blocks.)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                attention = pool.submit(_attention_of_first, model, params, task, eval_batch,
+                                        predictions)
+                plot_curves(workdir / "curves.png", metrics.records)
+                stop.stop_if_requested(after)
+                plot_attention(workdir / "attention.png", *attention.result())
     except OSError as e:
         raise RunFailed(f"{e}; training is complete (checkpointed as step {config.steps}) "
                         f"but its outputs are not all written") from None

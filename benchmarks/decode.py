@@ -9,8 +9,9 @@ forward over the fixed-size token buffer at every step and reads off the next to
 Both produce the same tokens (checked); the median wall time of --repeats runs after a
 warm-up is reported.
 
-Then the encoder–decoder of the dates config (configs/dates.yaml) greedily decoding the
-sources of its held-out set, 1,000 at a time: its cross-attentions projecting the
+Then the encoder–decoder of the dates config (configs/dates.yaml, one layer a side), and
+the same model with two layers a side (the config's model until it trained one), greedily
+decoding the sources of its held-out set, 1,000 at a time: its cross-attentions projecting the
 encoder's memory once and keeping it in the cache (attnjax.nn.greedy_decode's default)
 against projecting it at every step (memory_cache=False), in one compiled loop
 (greedy_decode) and with one jitted call per token (a streaming server's loop); the same
@@ -70,7 +71,7 @@ def main() -> None:
                         help="only the encoder–decoder's cross-attention cache")
     args = parser.parse_args()
     if args.dates_only:
-        return dates_memory_cache(args.repeats)
+        return dates_memory_caches(args.repeats)
     prompt_len, batch = 16, 4
     config = nn.DecoderOnlyConfig(vocab_size=64, d_model=256, num_heads=4, num_layers=4,
                                   d_ff=1024, max_len=prompt_len + args.tokens)
@@ -92,7 +93,7 @@ def main() -> None:
                     ("recompute the prefix every step", t_recomputed)):
         print(f"| {name} | {t:.3f} | {batch * args.tokens / t:.0f} | {t_recomputed / t:.1f}× |")
     print()
-    dates_memory_cache(args.repeats)
+    dates_memory_caches(args.repeats)
 
 
 def stepwise_greedy_decode(model, params, src, lengths, *, max_len: int, memory_cache: bool):
@@ -131,9 +132,18 @@ def _decode_step(decoder, params, cache, last, memory, lengths, done, *, memory_
     return token, done | (token == EOS), cache
 
 
-def dates_memory_cache(repeats: int) -> None:
-    """Greedy decoding of the dates task with and without the cross-attention cache."""
-    config = load_config("dates")
+def dates_memory_caches(repeats: int) -> None:
+    """`dates_memory_cache` for the shipped dates model, then with two layers a side: the
+    memory's projections are a larger part of a step's work the more layers project it."""
+    dates_memory_cache(repeats, [])
+    print()
+    dates_memory_cache(repeats, ["model.num_encoder_layers=2", "model.num_decoder_layers=2"])
+
+
+def dates_memory_cache(repeats: int, overrides: list[str]) -> None:
+    """Greedy decoding of the dates task with and without the cross-attention cache, the
+    dates config's model changed by `overrides` (`--set` syntax)."""
+    config = load_config("dates", overrides)
     task = make_task(config.task)
     model = training.make_model(config, task)
     held_out = training.eval_set(task, config)

@@ -546,10 +546,11 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
         if eval_record is None:  # the run had already finished: evaluate for the summary
             eval_record, predictions = _evaluate(model, state.params, task, eval_batch,
                                                  config, config.steps, mesh)
+            if primary:   # (the last step's evaluation wrote them otherwise)
+                write_samples(workdir / "samples.txt", task, eval_batch, predictions,
+                              vocab=output_vocab)
         params = multihost_utils.process_allgather(state.params, tiled=True)  # a collective
         if primary:
-            write_samples(workdir / "samples.txt", task, eval_batch, predictions,
-                          vocab=output_vocab)
             # The attention weights' program compiles (outside Python's lock) while
             # matplotlib draws the curves: the two plots' time was one core's. (The
             # thread sees jax's process-wide settings, not a caller's `with` blocks.)

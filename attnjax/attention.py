@@ -143,8 +143,9 @@ def dot_product_attention(
       return_weights: also return the `[B, N, T, S]` weights (before dropout); only
         the dense implementation can.
       return_residual: also return the log-sum-exp of each row's logits, `[B, T, N]`
-        (jax.nn's name and layout), differentiable. A row that sees no key (and no
-        sink) has log-sum-exp −1e30 (`attnjax.core.MASKED`), never −inf.
+        in the input dtype (jax.nn's name, layout and dtype; float32 inside for 16-bit),
+        differentiable. A row that sees no key (and no sink) has log-sum-exp −1e30
+        (`attnjax.core.MASKED`; float16's lowest value in float16), never −inf.
       implementation: "dense" (materialises the `[T, S]` weights of each head),
         "chunked" (block-sparse online softmax: O(T + S) memory forward and backward,
         blocks the mask hides skipped) or "cudnn" (delegates to
@@ -221,6 +222,12 @@ def dot_product_attention(
         out, lse, weights = compute(name, query, key, value, bound, score, options)
     if shape.unbatched:
         out, lse, weights = (None if x is None else x[0] for x in (out, lse, weights))
+    if lse is not None:
+        # in the inputs' dtype, as jax.nn returns it (computed in float32 for float16 and
+        # bfloat16): code written for jax.nn hands back a cotangent of that dtype. A row
+        # that sees nothing keeps a finite log-sum-exp: float16's lowest, not −inf.
+        lowest = jnp.asarray(jnp.finfo(key.dtype).min, lse.dtype)
+        lse = jnp.maximum(lse, lowest).astype(key.dtype)
     extras = ((weights,) if return_weights else ()) + ((lse,) if return_residual else ())
     return (out, *extras) if extras else out
 

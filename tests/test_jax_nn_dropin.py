@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import attnjax
+from attnjax.core import MASKED
 from tests.numerics import as_users_run
 
 # distinct sizes; jax.nn needs V = H
@@ -188,3 +189,33 @@ def test_masked_calls_run_under_debug_infs_and_nans(implementation):
         assert np.isfinite(np.asarray(x)).all()
     np.testing.assert_array_equal(out[1], 0.0)          # no key at all
     np.testing.assert_array_equal(out[0, T + 1:], 0.0)  # window past the last key
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_residual_has_jax_nn_s_dtype_so_its_vjp_takes_their_cotangents(dtype, implementation):
+    """jax's own test of dot_product_attention pulls a cotangent of the inputs' dtype
+    back through (output, log-sum-exp): the log-sum-exp comes back in that dtype, as
+    jax.nn's does, with jax.nn's values, and a row that sees no key keeps a finite one
+    (float16 cannot hold −1e30)."""
+    q, k, v = (x.astype(dtype) for x in _qkv(23))
+    host = _host(24)
+    d_out = jnp.asarray(host.standard_normal(q.shape), dtype)
+    d_lse = jnp.asarray(host.standard_normal((B, T, N)), dtype)
+    k_len = jnp.asarray([S, 0, 3], jnp.int32)   # the second example sees no key
+    _, expected = _jax_nn(q, k, v, key_value_seq_lengths=k_len, return_residual=True)
+
+    def ours(q, k, v):
+        return attnjax.dot_product_attention(q, k, v, key_value_seq_lengths=k_len,
+                                             return_residual=True, implementation=implementation)
+
+    (out, lse), pull_back = jax.vjp(ours, q, k, v)
+    assert lse.dtype == expected.dtype == dtype and out.dtype == dtype
+    grads = pull_back((d_out, d_lse))
+    assert [g.dtype for g in grads] == [dtype] * 3
+    for x in (lse, *grads):
+        assert np.isfinite(np.asarray(x, np.float32)).all()
+    lse, expected = np.asarray(lse, np.float32), np.asarray(expected, np.float32)
+    np.testing.assert_allclose(lse[[0, 2]], expected[[0, 2]], rtol=1e-2, atol=1e-2)
+    # attnjax's MASKED (−1e30) where the dtype holds it, else the dtype's lowest
+    np.testing.assert_allclose(lse[1], max(MASKED, float(jnp.finfo(dtype).min)), rtol=1e-2)

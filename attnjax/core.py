@@ -47,6 +47,19 @@ def softmax_and_lse(
     (attention sinks): it takes weight without adding to the output. A row with nothing
     visible and no sink has all-zero weights and log-sum-exp MASKED.
     """
+    unnormalised, total, lse = exp_and_total(logits, mask, sink)
+    return unnormalised / total, lse
+
+
+def exp_and_total(
+    logits: Float[ArrayLike, "T S"],
+    mask: Bool[ArrayLike, "#T #S"] | None = None,
+    sink: Float[ArrayLike, ""] | None = None,
+) -> tuple[Float[Array, "T S"], Float[Array, "T 1"], Float[Array, " T"]]:
+    """softmax_and_lse before its division: `exp(logits − max)` `[T, S]`, each row's
+    sum `[T, 1]` (1 for a row that sees nothing, whose exponentials are all zero) and
+    its log-sum-exp. The weights are the first over the second; a product with the
+    weights can divide afterwards, over its own (smaller) rows instead of `[T, S]`."""
     if mask is not None:
         logits = jnp.where(mask, logits, MASKED)
     # [T, 1]: the max only shifts the exponent for range; the softmax does not depend on it.
@@ -64,7 +77,7 @@ def softmax_and_lse(
     seen = total > 0
     safe_total = jnp.where(seen, total, 1.0)
     lse = jnp.where(seen, row_max + jnp.log(safe_total), MASKED)
-    return unnormalised / safe_total, lse[:, 0]
+    return unnormalised, safe_total, lse[:, 0]
 
 
 def masked_softmax(

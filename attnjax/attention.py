@@ -222,7 +222,7 @@ def dot_product_attention(
         out, lse, weights = compute(name, query, key, value, bound, score, options)
     if shape.unbatched:
         out, lse, weights = (None if x is None else x[0] for x in (out, lse, weights))
-    if lse is not None:
+    if lse is not None and lse.dtype != key.dtype:
         # in the inputs' dtype, as jax.nn returns it (computed in float32 for float16 and
         # bfloat16): code written for jax.nn hands back a cotangent of that dtype. A row
         # that sees nothing keeps a finite log-sum-exp: float16's lowest, not −inf.

@@ -2,7 +2,9 @@
 
 Only for what cuDNN's fused kernel supports (bool array masks and jax.nn's keywords);
 anything else is a clear error rather than a silent fallback, so a user who asked for
-cuDNN knows what ran.
+cuDNN knows what ran. attnjax's semantics hold: a query row that sees no key (a key
+length of 0, a padded query, a mask row of False) gives zeros, where cuDNN leaves
+values in it (measured on an H100 through jax 0.11.2: up to 4.4 on random data).
 """
 
 import jax
@@ -12,8 +14,9 @@ from attnjax.masks import Mask
 
 
 def attention(query, key, value, score, options, *, mask, is_causal, query_lengths,
-              key_lengths, window, positions):
-    """`[B, T, N, H]` attention through cuDNN; arguments already validated."""
+              key_lengths, window, positions, bound: Mask):
+    """`[B, T, N, H]` attention through cuDNN; arguments already validated. `bound`:
+    the call's mask bound to its shapes (which rows see a key)."""
     platform = jax.default_backend()
     if platform != "gpu":
         raise ValueError(
@@ -43,8 +46,22 @@ def attention(query, key, value, score, options, *, mask, is_causal, query_lengt
     if unsupported:
         raise ValueError("implementation='cudnn' does not support " + "; ".join(unsupported))
     bias = None if score.bias is None else score.bias
-    return jax.nn.dot_product_attention(
+    out = jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=score.scale, is_causal=is_causal,
         query_seq_lengths=query_lengths, key_value_seq_lengths=key_lengths,
         local_window_size=window, implementation="cudnn",
     )
+    if mask is None and query_lengths is None and key_lengths is None:
+        return out  # causal and window masks (T = S here) let every row see itself
+    return jnp.where(_sees_a_key(bound, *query.shape[:3], key.shape[1])[..., None], out, 0)
+
+
+def _sees_a_key(bound: Mask, b: int, t: int, n: int, s: int):
+    """`[B, T, N]`: whether each query row sees at least one key (one reduction over S,
+    fused by XLA: the [T, S] mask is not kept)."""
+    per_head = jax.tree.map(lambda x: jnp.broadcast_to(x, (b, n) + x.shape[2:]), bound)
+
+    def rows(head: Mask):
+        return head.visible(head.coords(0, t, 0, s)).any(axis=-1)
+
+    return jax.vmap(jax.vmap(rows))(per_head).transpose(0, 2, 1)

@@ -287,9 +287,9 @@ def test_eager_calls_compile_for_a_score_mod_once_it_comes_again(rng):
     (1, 640, 1, "chunked"),     # above 512²: chunked whatever the batch
 ])
 def test_implementation_none_picks_by_grid_and_batch(monkeypatch, b, t, n, chosen):
-    """implementation=None traces the same program as the kernel its rule picks (the
-    rule by the grid T·S and, on a CPU, the batch's logits, B·N·T·S float32 values;
-    elsewhere dense up to 512²)."""
+    """implementation=None traces the same program as the kernel its rule picks (on a
+    CPU, the rule by the grid T·S and the batch's logits, B·N·T·S float32 values; on a
+    GPU, dense up to 4 GiB of logits, so dense for all of these)."""
     q = jax.ShapeDtypeStruct((b, t, n, 8), jnp.float32)
     program = lambda implementation: str(jax.make_jaxpr(  # noqa: E731
         lambda q: attnjax.dot_product_attention(q, q, q, is_causal=True,
@@ -299,8 +299,29 @@ def test_implementation_none_picks_by_grid_and_batch(monkeypatch, b, t, n, chose
     assert program(None) != program(other)
     # (the programs traced as on a GPU: the dense kernel then runs the batch whole)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    elsewhere = "chunked" if t * t > 512 * 512 else "dense"
-    assert program(None) == program(elsewhere)
+    assert program(None) == program("dense")
+
+
+@pytest.mark.parametrize("b, t, n, chosen", [
+    (4, 2048, 16, "dense"),     # 1 GiB of logits
+    (1, 8192, 16, "dense"),     # 4 GiB: dense
+    (2, 8192, 16, "chunked"),   # 8 GiB: chunked
+    (1, 32768, 8, "chunked"),   # 32 GiB
+])
+def test_implementation_none_on_a_gpu_runs_dense_up_to_4_gib_of_logits(monkeypatch, b, t, n,
+                                                                      chosen):
+    """On a GPU (or TPU) implementation=None runs dense whatever the grid while the
+    batch's float32 logits fit AUTO_ACCELERATOR_DENSE_BYTES: chunked was 5.9x slower
+    than dense on an H100 at (4, 2048, 16); on a CPU the same shapes all run chunked."""
+    q = jax.ShapeDtypeStruct((b, t, n, 8), jnp.bfloat16)
+    program = lambda implementation: str(jax.make_jaxpr(  # noqa: E731
+        lambda q: attnjax.dot_product_attention(q, q, q, is_causal=True,
+                                                implementation=implementation))(q))
+    assert program(None) == program("chunked")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    other = {"dense": "chunked", "chunked": "dense"}[chosen]
+    assert program(None) == program(chosen)
+    assert program(None) != program(other)
 
 
 @pytest.mark.parametrize("b, s, k, h, chosen", [
@@ -326,3 +347,51 @@ def test_implementation_none_decodes_a_long_cache_chunked(monkeypatch, b, s, k, 
     assert program(None, t=2) == program("dense", t=2)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert program(None) == program("dense")
+
+
+@pytest.mark.parametrize("keywords", ["key_lengths", "query_lengths_causal", "mask",
+                                      "mask_lengths_window"])
+def test_cudnn_rows_that_see_no_key_are_zeros(monkeypatch, rng, keywords):
+    """implementation='cudnn' keeps attnjax's semantics for a row that sees no key: zeros
+    and finite gradients, where cuDNN leaves values (up to 4.4 on an H100). Traced as on
+    a GPU, with jax.nn's XLA path standing in for cuDNN: it too leaves values there (the
+    mean of the values), so the rows are attnjax's own doing."""
+    b, t, n, h = 3, 16, 2, 8
+    generator = draws.host(rng)
+    q, k, v = draws.normals(generator, *[(b, t, n, h)] * 3, dtype=jnp.bfloat16)
+    key_lengths = jnp.asarray([t, 0, 5], jnp.int32)
+    mask = draws.bernoulli(generator, 0.3, (b, n, t, t)).at[0, 1, 3].set(False)
+    call = {
+        "key_lengths": dict(key_lengths=key_lengths),
+        "query_lengths_causal": dict(query_lengths=jnp.asarray([t, t, 9], jnp.int32),
+                                     key_lengths=key_lengths, is_causal=True),
+        "mask": dict(mask=mask),
+        # row 15 of example 2 sees keys 12-15, all past its key length 5
+        "mask_lengths_window": dict(mask=mask, key_lengths=key_lengths, window=(3, 0)),
+    }[keywords]
+    real = jax.nn.dot_product_attention
+
+    def xla_for_cudnn(query, key, value, bias, mask, *, implementation, **kw):
+        assert implementation == "cudnn" and bias is None
+        # in float32 and standard promotion: jax.nn's XLA path mixes dtypes, which the
+        # suite's strict promotion refuses
+        f32 = [x.astype(jnp.float32) for x in (query, key, value)]
+        with jax.numpy_dtype_promotion("standard"):
+            return real(*f32, bias, mask, implementation="xla", **kw).astype(query.dtype)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", xla_for_cudnn)
+
+    def loss(implementation, q, k, v):
+        out = attnjax.dot_product_attention(q, k, v, implementation=implementation, **call)
+        return jnp.sum(out.astype(jnp.float32)), out
+
+    (_, out), grads = jax.value_and_grad(functools.partial(loss, "cudnn"), (0, 1, 2),
+                                         has_aux=True)(q, k, v)
+    dense = attnjax.dot_product_attention(q, k, v, implementation="dense", **call)
+    empty = np.asarray(jnp.all(dense == 0, axis=-1))
+    assert empty.any() and not empty.all()
+    np.testing.assert_array_equal(np.asarray(out)[empty], 0)
+    chex.assert_trees_all_close(out.astype(jnp.float32), dense.astype(jnp.float32),
+                                atol=2e-2, rtol=2e-2)
+    assert all(bool(jnp.isfinite(g).all()) for g in grads)

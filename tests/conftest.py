@@ -18,6 +18,13 @@ import shutil
 import tempfile
 import zlib
 
+# The suite runs on the CPU, also where jax has a GPU or TPU (JAX_PLATFORMS=cuda, say,
+# overrides it): its multi-device tests emulate CPU devices, some tests check what
+# implementation=None picks on a CPU (and, with jax.default_backend patched, on a GPU),
+# and float32 comparisons assume full-precision products, which GPUs compute in TF32 by
+# default (attnjax and jax.nn alike: 1.2e-3 against 6e-7 on an H100). Inherited by the
+# command-line runs the tests start.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Four emulated CPU devices for the multi-device tests; set before jax is imported. The
 # suite's programs are small and it spends most of its time compiling them: XLA's CPU
 # backend compiles them at LLVM optimisation level 0, without LLVM's expensive passes and

@@ -334,7 +334,7 @@ def test_implementation_none_on_a_gpu_runs_dense_up_to_4_gib_of_logits(monkeypat
 def test_implementation_none_decodes_a_long_cache_chunked(monkeypatch, b, s, k, h, chosen):
     """A decoding step (one query) against a long cache runs chunked on a CPU: the dense
     kernel would copy all of k and v at every step (see AUTO_DECODE_KEY_BYTES); the
-    same keys with two queries, and any step on another backend, keep the grid rule."""
+    same keys with two queries keep the grid rule, and a GPU runs any such step dense."""
     def program(implementation, t=1):
         q = jax.ShapeDtypeStruct((b, t, 2 * k, h), jnp.float32)
         kv = jax.ShapeDtypeStruct((b, s, k, h), jnp.float32)

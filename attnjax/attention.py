@@ -48,8 +48,10 @@ AUTO_DENSE_BYTES = 8 * 2**20
 # time over dense's: 5.9 at (B, T, N, H) = (4, 2048, 16, 128) bfloat16 (30.7 against
 # 5.2 ms, jax.nn's XLA 5.1 ms); a whole attention layer's training step at (1, 4096, 512
 # model width, 8 heads) ran 11.5 ms chunked against flax's 3.5 ms dense. Above the bound
-# (4 GiB of logits, a dense step's peak about three times that) the chunked kernel's
-# memory, linear in S, keeps long sequences on the device. TPUs are not measured.
+# (4 GiB of logits; dense attention's forward and backward keep 2.1-2.5 times the logits
+# in XLA temporaries, by XLA's memory_analysis of the batch-whole program a GPU runs,
+# compiled for a CPU) the chunked kernel's memory, linear in S, keeps long sequences on
+# the device. TPUs are not measured.
 AUTO_ACCELERATOR_DENSE_BYTES = 4 * 2**30
 # A decoding step (T = 1) on a CPU runs chunked when its keys, B·S·K·H·4 bytes, reach
 # AUTO_DECODE_KEY_BYTES and one example's, S·K·H·4, reach AUTO_DECODE_EXAMPLE_BYTES:

@@ -220,15 +220,14 @@ def dot_product_attention(
     name = _select_implementation(implementation, return_weights, shape, score, key_bytes)
     options = _options(shape, name, implementation, dropout_rate, dropout_rng,
                        dropout_broadcast, return_weights, return_residual, block_sizes)
+    bound = attention_mask.bind(shape, positions)
     if name == "cudnn":
         out = cudnn.attention(
             query, key, value, score, options, mask=mask, is_causal=is_causal,
             query_lengths=query_lengths, key_lengths=key_lengths,
-            window=_checks.resolve_window(window), positions=positions,
-            bound=attention_mask.bind(shape))
+            window=_checks.resolve_window(window), positions=positions, bound=bound)
         lse = weights = None
     else:
-        bound = attention_mask.bind(shape, positions)
         compute = _per_head
         if _compiles(query, key, value, bound, score, options):
             compute = _compiled_per_head

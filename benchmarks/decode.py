@@ -9,6 +9,11 @@ forward over the fixed-size token buffer at every step and reads off the next to
 Both produce the same tokens (checked); the median wall time of --repeats runs after a
 warm-up is reported.
 
+Then one attention layer decoding token by token, each token one jitted call (B=1,
+D=256, 4 heads, a 256-token cache): flax's MultiHeadDotProductAttention against
+attnjax's, its step traced as is (each append checks for an overrun, with a host callback
+that takes the step off jit's fast dispatch) and inside nn.sized_for_every_append.
+
 Then the encoder–decoder of the dates config (configs/dates.yaml, one layer a side), and
 the same model with two layers a side (the config's model until it trained one), greedily
 decoding the sources of its held-out set, 1,000 at a time: its cross-attentions projecting the
@@ -25,6 +30,7 @@ import statistics
 import sys
 import time
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 
@@ -69,9 +75,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dates-only", action="store_true",
                         help="only the encoder–decoder's cross-attention cache")
+    parser.add_argument("--layer-only", action="store_true",
+                        help="only one attention layer's token-by-token step")
     args = parser.parse_args()
     if args.dates_only:
         return dates_memory_caches(args.repeats)
+    if args.layer_only:
+        return layer_steps(args.repeats)
     prompt_len, batch = 16, 4
     config = nn.DecoderOnlyConfig(vocab_size=64, d_model=256, num_heads=4, num_layers=4,
                                   d_ff=1024, max_len=prompt_len + args.tokens)
@@ -93,7 +103,59 @@ def main() -> None:
                     ("recompute the prefix every step", t_recomputed)):
         print(f"| {name} | {t:.3f} | {batch * args.tokens / t:.0f} | {t_recomputed / t:.1f}× |")
     print()
+    layer_steps(args.repeats)
+    print()
     dates_memory_caches(args.repeats)
+
+
+def layer_steps(repeats: int, batch: int = 1, length: int = 256, width: int = 256,
+                heads: int = 4) -> None:
+    """One attention layer's decoding step, one jitted call a token, for flax's module and
+    attnjax's (as is, and traced inside nn.sized_for_every_append): the median time of a
+    token over `repeats` passes through a `length`-token cache, taken in turns."""
+    x = jax.random.normal(jax.random.key(0), (batch, length, width), jnp.float32)
+
+    def stepper(module_cls, sized: bool):
+        module = module_cls(num_heads=heads, decode=True)
+        variables = module.init(jax.random.key(1), x)      # sizes the cache: length tokens
+
+        def step(params, cache, token):
+            out, mutated = module.apply({"params": params, "cache": cache}, token,
+                                        mutable=["cache"])
+            return out, mutated["cache"]
+
+        step = nn.sized_for_every_append()(step) if sized else step
+        return jax.jit(step, donate_argnums=1), variables
+
+    steppers = {"flax.linen.MultiHeadDotProductAttention": stepper(
+                    flax.linen.MultiHeadDotProductAttention, False),
+                "attnjax.nn.MultiHeadDotProductAttention": stepper(
+                    nn.MultiHeadDotProductAttention, False),
+                "the same, traced inside nn.sized_for_every_append": stepper(
+                    nn.MultiHeadDotProductAttention, True)}
+    seconds = {name: [] for name in steppers}
+    outputs = {}
+    for _ in range(repeats + 1):          # the first pass compiles, and is not counted
+        for name, (step, variables) in steppers.items():
+            cache, rows, times = jax.tree.map(jnp.copy, variables["cache"]), [], []
+            for i in range(length):
+                start = time.perf_counter()
+                out, cache = step(variables["params"], cache, x[:, i:i + 1])
+                jax.block_until_ready(out)
+                times.append(time.perf_counter() - start)
+                rows.append(out)
+            seconds[name] += times if outputs.get(name) is not None else []
+            outputs[name] = jnp.concatenate(rows, axis=1)
+    same = all(bool(jnp.allclose(out, outputs["flax.linen.MultiHeadDotProductAttention"],
+                                 atol=1e-5)) for out in outputs.values())
+    flax_time = statistics.median(seconds["flax.linen.MultiHeadDotProductAttention"])
+    print(f"one attention layer, B={batch}, D={width}, {heads} heads, a {length}-token cache "
+          f"filled one jitted call a token; the same outputs (atol 1e-5): {same}")
+    print("| decoding step | µs a token | flax / this |")
+    print("|---|---:|---:|")
+    for name, times in seconds.items():
+        t = statistics.median(times)
+        print(f"| {name} | {t * 1e6:.0f} | {flax_time / t:.2f}× |")
 
 
 def stepwise_greedy_decode(model, params, src, lengths, *, max_len: int, memory_cache: bool):
@@ -102,7 +164,8 @@ def stepwise_greedy_decode(model, params, src, lengths, *, max_len: int, memory_
     time): each call is its own program, so no compiler can lift the projection of the
     encoder's memory out of the loop; only the cache keeps it from being redone. As a
     server would, it traces the model once: the encoding and the starting cache are one
-    jitted call, each token another."""
+    jitted call, each token another, traced inside nn.sized_for_every_append (the
+    caches hold every token)."""
     model = model.clone(deterministic=True)
     decoder = model.clone(decode=True)
     memory, cache = _start(model, params, src, lengths, max_len=max_len,
@@ -123,6 +186,7 @@ _start = jax.jit(decoding._start, static_argnames=("model", "max_len", "memory_c
 
 @functools.partial(jax.jit, static_argnames=("decoder", "memory_cache"),
                    donate_argnames=("cache",))
+@nn.sized_for_every_append()   # its caches hold every token: no overrun check
 def _decode_step(decoder, params, cache, last, memory, lengths, done, *, memory_cache: bool):
     logits, variables = decoder.apply(
         {"params": params, "cache": cache}, last[:, None], memory, lengths,

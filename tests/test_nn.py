@@ -258,6 +258,43 @@ def test_decoding_loops_call_no_host_so_jax_can_cache_their_programs(rng):
     assert "debug_callback" in {eqn.primitive.name for eqn, _ in _equations(step.jaxpr, "cond")}
 
 
+def test_a_step_of_ones_own_traced_sized_calls_no_host_and_decodes_the_same(rng):
+    """A decoding step the caller drives, decorated with nn.sized_for_every_append under
+    jax.jit: every trace of it leaves out the overrun check, whose host callback keeps a
+    program from jit's fast dispatch (one layer's token: 284 against 166 µs); token by
+    token it gives the checked step's outputs and cache. The decorator's context ends
+    with each trace: a step traced after it checks again."""
+    length = 4
+    x = _x(rng, B, length, D)
+    module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True)
+    variables = _init(module, rng, x)
+
+    def step(cache, token):
+        return module.apply({"params": variables["params"], **cache}, token, mutable=["cache"])
+
+    sized = nn.sized_for_every_append()(step)
+
+    def callbacks(fn):
+        jaxpr = jax.make_jaxpr(fn)({"cache": variables["cache"]}, x[:, :1])
+        return [eqn for eqn, _ in _equations(jaxpr.jaxpr, "cond")
+                if eqn.primitive.name == "debug_callback"]
+
+    assert callbacks(sized) == []
+    assert len(callbacks(step)) == 1
+    caches = {name: {"cache": variables["cache"]} for name in ("checked", "sized")}
+    for i in range(length):
+        outs = {}
+        for name, fn in (("checked", step), ("sized", sized)):
+            outs[name], mutated = jax.jit(fn)(caches[name], x[:, i:i + 1])
+            caches[name] = dict(mutated)
+        np.testing.assert_allclose(outs["sized"], outs["checked"], rtol=1e-6, atol=1e-6)
+    checked, kept = (jax.tree.leaves(caches[name]) for name in ("checked", "sized"))
+    for a, b in zip(checked, kept, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(caches["sized"]["cache"]["cache_index"]) == length
+    assert len(callbacks(step)) == 1
+
+
 def _loop_bodies(program: str) -> str:
     """The text of the while loops' bodies in a compiled HLO module."""
     bodies = set(re.findall(r"body=%?([\w.\-]+)", program))

@@ -129,6 +129,31 @@ def test_decode_step_by_step_equals_full_causal_and_flax(inputs):
     np.testing.assert_allclose(jnp.concatenate(chunks, 1), full, atol=ATOL)
 
 
+def test_a_decoding_step_traced_sized_for_every_append_calls_no_host(inputs):
+    """nn.sized_for_every_append serves the nnx cache too: a step traced inside it has
+    no overrun check's host callback (the same step outside has one), and decodes token
+    by token the rows of full causal attention."""
+    x, _ = inputs
+    _, ours = _pair(7, num_heads=4, in_features=D)
+    full = _call(ours, x, is_causal=True)
+    ours.init_cache(x.shape)
+    graphdef, state = nnx.split(ours)
+
+    def step(state, token):
+        module = nnx.merge(graphdef, state)
+        return module(token, decode=True), nnx.state(module)
+
+    sized = nn.sized_for_every_append()(step)
+    for fn, calls in ((sized, False), (step, True)):
+        assert ("debug_callback" in str(jax.make_jaxpr(fn)(state, x[:, :1]))) is calls
+    rows, jitted = [], jax.jit(sized)
+    for i in range(T):
+        row, state = jitted(state, x[:, i:i + 1])
+        rows.append(row)
+    np.testing.assert_allclose(jnp.concatenate(rows, 1), full, atol=ATOL)
+    assert int(state["cache_index"][...]) == T
+
+
 
 # flax.nnx's attention runs jax.nn's, which casts complex logits to float32 (jax warns)
 @pytest.mark.filterwarnings("ignore:Casting from complex to real:DeprecationWarning")

@@ -7,9 +7,11 @@
               attention_maps; segment ids and positions for packed sequences, a
               padding mask for padded ones
   decoding    greedy_decode (encoder–decoder), generate (decoder-only, prompts of
-              different lengths left- or right-padded)
+              different lengths left- or right-padded); sized_for_every_append, for
+              a decoding step of one's own
 """
 
+from attnjax.kv_cache import sized_for_every_append
 from attnjax.nn.attention import MultiHeadAttention, MultiHeadDotProductAttention
 from attnjax.nn.decoding import generate, greedy_decode
 from attnjax.nn.layers import FeedForward, PositionalEncoding, sinusoids
@@ -38,4 +40,5 @@ __all__ = [
     "generate",
     "greedy_decode",
     "sinusoids",
+    "sized_for_every_append",
 ]

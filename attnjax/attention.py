@@ -51,8 +51,14 @@ AUTO_DENSE_BYTES = 8 * 2**20
 # (4 GiB of logits; dense attention's forward and backward keep 2.1-2.5 times the logits
 # in XLA temporaries, by XLA's memory_analysis of the batch-whole program a GPU runs,
 # compiled for a CPU) the chunked kernel's memory, linear in S, keeps long sequences on
-# the device. TPUs are not measured.
+# the device. TPUs are not measured. On a device that tells the memory jax may use
+# (`memory_stats()["bytes_limit"]`: by default 75% of a GPU's), the bound is also at most
+# AUTO_ACCELERATOR_DENSE_SHARE of it, so that dense's temporaries take at most about a
+# fifth of it: 4 GiB of logits, ~10 GiB of temporaries, would not fit the ~11 GiB that
+# jax takes of a 16 GB card, where the chunked kernel's would. (An H100 or H200, 75% of
+# 80 or 139 GiB, keeps the 4 GiB.)
 AUTO_ACCELERATOR_DENSE_BYTES = 4 * 2**30
+AUTO_ACCELERATOR_DENSE_SHARE = 1 / 12
 # A decoding step (T = 1) on a CPU runs chunked when its keys, B·S·K·H·4 bytes, reach
 # AUTO_DECODE_KEY_BYTES and one example's, S·K·H·4, reach AUTO_DECODE_EXAMPLE_BYTES:
 # the dense kernel copies k into its head-major layout at every step and makes its
@@ -489,12 +495,25 @@ def _auto_kernel(batch: int, t: int, s: int, num_heads: int, key_bytes: int = 0)
     grid = t * s
     logits_bytes = batch * num_heads * grid * 4
     if jax.default_backend() != "cpu":
-        return "dense" if logits_bytes <= AUTO_ACCELERATOR_DENSE_BYTES else "chunked"
+        return "dense" if logits_bytes <= _accelerator_dense_bytes() else "chunked"
     dense = grid <= AUTO_CHUNKED_ABOVE and (
         grid <= AUTO_CHUNKED_GRID or logits_bytes <= AUTO_DENSE_BYTES)
     long_cache = (t == 1 and key_bytes >= AUTO_DECODE_EXAMPLE_BYTES
                   and batch * key_bytes >= AUTO_DECODE_KEY_BYTES)
     return "dense" if dense and not long_cache else "chunked"
+
+
+def _accelerator_dense_bytes() -> float:
+    """The most logits (bytes) implementation=None runs dense on a GPU or TPU: 4 GiB, or
+    AUTO_ACCELERATOR_DENSE_SHARE of the device's memory limit where that is less."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except (RuntimeError, NotImplementedError):   # a backend that cannot tell
+        stats = None
+    limit = (stats or {}).get("bytes_limit")
+    if not limit:
+        return float(AUTO_ACCELERATOR_DENSE_BYTES)
+    return min(float(AUTO_ACCELERATOR_DENSE_BYTES), AUTO_ACCELERATOR_DENSE_SHARE * limit)
 
 
 def _options(shape: Shape, name: str, implementation, dropout_rate, dropout_rng,

@@ -324,6 +324,41 @@ def test_implementation_none_on_a_gpu_runs_dense_up_to_4_gib_of_logits(monkeypat
     assert program(None) != program(other)
 
 
+class _Device:
+    """A device that reports its memory limit (None: one that reports no statistics)."""
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return None if self.limit is None else {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+
+@pytest.mark.parametrize("limit, b, t, n, chosen", [
+    (11 * 2**30, 4, 1024, 16, "dense"),     # a 16 GB card's pool: 256 MiB of logits
+    (11 * 2**30, 1, 4096, 16, "chunked"),   # 1 GiB, past 11/12 GiB: chunked
+    (24 * 2**30, 1, 8192, 8, "dense"),      # a 32 GB card's: 2 GiB, its bound
+    (24 * 2**30, 1, 8192, 16, "chunked"),   # 4 GiB
+    (60 * 2**30, 1, 8192, 16, "dense"),     # an H100's: 4 GiB, the bound's most
+    (104 * 2**30, 2, 8192, 16, "chunked"),  # an H200's: 8 GiB, past the 4 GiB
+    (None, 1, 8192, 16, "dense"),           # no statistics: 4 GiB
+])
+def test_implementation_none_on_a_gpu_keeps_dense_to_a_twelfth_of_its_memory(
+        monkeypatch, limit, b, t, n, chosen):
+    """On a GPU or TPU that reports the memory jax may use, implementation=None runs
+    dense only while the logits are at most a twelfth of it (and 4 GiB): dense's
+    temporaries, 2.1-2.5x the logits, would not fit a small card at 4 GiB of logits."""
+    q = jax.ShapeDtypeStruct((b, t, n, 8), jnp.bfloat16)
+    program = lambda implementation: str(jax.make_jaxpr(  # noqa: E731
+        lambda q: attnjax.dot_product_attention(q, q, q, is_causal=True,
+                                                implementation=implementation))(q))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: [_Device(limit)])
+    expected = {name: program(name) for name in ("dense", "chunked")}
+    other = {"dense": "chunked", "chunked": "dense"}[chosen]
+    assert program(None) == expected[chosen] != expected[other]
+
+
 @pytest.mark.parametrize("b, s, k, h, chosen", [
     (1, 16384, 8, 64, "chunked"),   # 32 MiB of keys, all one example's: chunked
     (8, 2048, 8, 64, "chunked"),    # 32 MiB, 4 MiB an example: chunked

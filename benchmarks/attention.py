@@ -46,8 +46,9 @@ def _flax(q, k, v, causal):
     return nn.dot_product_attention(q, k, v, mask=mask)
 
 
-# attnjax's own first in each group: a run right after a dense peer has streamed
-# gigabytes through memory is measurably slower, so the dense peers go last.
+# Timed interleaved, each round in an order of its own (see _timing.median_times): a
+# call right after a dense peer has streamed its temporaries through memory is slower,
+# and in a fixed order the first named always paid for the last.
 IMPLEMENTATIONS = {
     "attnjax auto": lambda q, k, v, c: attnjax.dot_product_attention(q, k, v, is_causal=c),
     "attnjax chunked": lambda q, k, v, c: attnjax.dot_product_attention(

@@ -32,8 +32,8 @@ def sized_for_every_append():
     for an overrun with a host callback (inside a `lax.cond`: called only on an
     overrun). A program that may call the host loses jit's C++ dispatch and never enters
     jax's persistent compilation cache: one attention layer decoding a `[1, 1, 256]`
-    token took 284 µs a token with the check, 166 µs without it, flax's own layer 178 µs
-    (`python benchmarks/decode.py`, 2-core CPU). Size each cache with `init` on a
+    token took 284 µs a token with the check, 161 µs without it, flax's own layer 184 µs
+    (`python benchmarks/decode.py --layer-only`, 2-core CPU). Size each cache with `init` on a
     full-length input `[B, L, D]`, then trace the step inside this: as a context manager,
     or as a decorator under `jax.jit` so that every trace of the step is. An append past
     the cache is then not reported; its tokens are written over the cache's last slots.

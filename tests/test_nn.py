@@ -261,7 +261,7 @@ def test_decoding_loops_call_no_host_so_jax_can_cache_their_programs(rng):
 def test_a_step_of_ones_own_traced_sized_calls_no_host_and_decodes_the_same(rng):
     """A decoding step the caller drives, decorated with nn.sized_for_every_append under
     jax.jit: every trace of it leaves out the overrun check, whose host callback keeps a
-    program from jit's fast dispatch (one layer's token: 284 against 166 µs); token by
+    program from jit's fast dispatch (one layer's token: 284 against 161 µs); token by
     token it gives the checked step's outputs and cache. The decorator's context ends
     with each trace: a step traced after it checks again."""
     length = 4

@@ -95,20 +95,12 @@ def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len:
                           memory_cache=memory_cache)
 
 
-def _caches_sized(loop):
-    """The decoding loop traced knowing that its caches hold every token it appends
-    (each is sized for the loop's whole length): no overrun check, whose host callback
-    would keep the compiled loop out of jax's persistent compilation cache."""
-    @functools.wraps(loop)
-    def traced(*args, **kwargs):
-        with kv_cache.sized_for_every_append():
-            return loop(*args, **kwargs)
-    return traced
-
-
+# The decoding loops are traced knowing that their caches hold every token they append
+# (each is sized for the loop's whole length): no overrun check, whose host callback
+# would keep the compiled loop out of jax's persistent compilation cache.
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "bos_id", "eos_id", "pad_id",
                                              "memory_cache"))
-@_caches_sized
+@kv_cache.sized_for_every_append()
 def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int,
                    bos_id: int, eos_id: int, pad_id: int, memory_cache: bool = True):
     b = src.shape[0]
@@ -246,7 +238,7 @@ def _roll_rows(x, shift):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature"))
-@_caches_sized
+@kv_cache.sized_for_every_append()   # (see _greedy_decode)
 def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tokens: int,
               temperature: float, rng):
     b, p = prompt.shape

@@ -33,10 +33,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM module (split into parts, a small program spends longer splitting than the second
 # core saves: test_packing 57 -> 50 s). Inherited by the command-line runs the tests
 # start.
+# Of those flags, the ones this jax's XLA knows (tests/xla_flags.py): tried once, by the
+# first process, whose choice its workers inherit.
+QUICK_COMPILATION = ["--xla_backend_optimization_level=0",
+                     "--xla_llvm_disable_expensive_passes=true",
+                     "--xla_cpu_use_fusion_emitters=false",
+                     "--xla_cpu_parallel_codegen_split_count=1"]
+if "ATTNJAX_TEST_XLA_FLAGS" not in os.environ:
+    from tests import xla_flags
+
+    os.environ["ATTNJAX_TEST_XLA_FLAGS"] = " ".join(xla_flags.known(QUICK_COMPILATION))
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4",
-     "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-     "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"]
+     os.environ["ATTNJAX_TEST_XLA_FLAGS"]]
 ).strip()
 # The training command keeps the memory it frees (attnjax.toy.cli.keep_freed_memory);
 # the suite's processes, the xdist workers above all, return it, as their memory is

@@ -14,10 +14,15 @@ import sys
 
 
 def _taken(flags: list[str], timeout: float) -> bool:
-    """Whether a CPU backend starts with these XLA flags."""
+    """Whether a CPU backend starts with these XLA flags (XLA refuses a flag at once: a
+    child that is still starting after `timeout` seconds is on a slow machine, and the
+    flags count as taken)."""
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                         capture_output=True, timeout=timeout)
+    try:
+        run = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                             capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return True
     return run.returncode == 0
 
 

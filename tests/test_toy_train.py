@@ -333,12 +333,43 @@ def test_the_finiteness_check_finds_a_nan_or_an_inf_anywhere_in_the_parameters(r
         assert not bool(training.all_finite(broken)), (bad, at)
 
 
-def test_quick_compilation_is_for_a_cpu_alone(monkeypatch):
+@pytest.fixture
+def fresh_quick_compilation():
+    """training.quick_compilation() decided again in the test, and again after it."""
+    training.quick_compilation.cache_clear()
+    yield
+    training.quick_compilation.cache_clear()
+
+
+def test_quick_compilation_is_for_a_cpu_alone(monkeypatch, fresh_quick_compilation):
     """XLA's quickest options go to a CPU's compiler only: its GPU backend does not
     support LLVM level 0."""
-    assert training.quick_compilation() == training.QUICK_COMPILATION   # the suite's CPU
+    on_cpu = training.quick_compilation()   # the suite's CPU
+    assert on_cpu["xla_backend_optimization_level"] == 0
+    assert on_cpu.items() <= training.QUICK_COMPILATION.items()
+    training.quick_compilation.cache_clear()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert training.quick_compilation() == {}
+
+
+def test_quick_compilation_leaves_out_an_option_xla_does_not_know(monkeypatch,
+                                                                   fresh_quick_compilation):
+    """XLA refuses a program given a compiler option it does not know (jax 0.11's XLA
+    dropped one of QUICK_COMPILATION's, and the training command stopped at its first
+    checkpoint): the unknown option is left out, the known ones kept, and the programs
+    compiled with them run."""
+    known = training.quick_compilation()
+    training.quick_compilation.cache_clear()
+    made_up = "xla_cpu_attnjax_made_up_option"
+    monkeypatch.setattr(training, "QUICK_COMPILATION", {**known, made_up: True})
+    with pytest.raises(jax.errors.JaxRuntimeError, match=made_up):
+        jax.jit(lambda x: x * 2, compiler_options=training.QUICK_COMPILATION).lower(
+            np.float32(1)).compile()
+    assert training.quick_compilation() == known
+    x = np.random.default_rng().normal(size=(5,)).astype(np.float32)
+    check = jax.jit(lambda x: jax.numpy.all(jax.numpy.isfinite(x)),
+                    compiler_options=training.quick_compilation())
+    assert bool(check(x)) and not bool(check(np.where(np.arange(5) == 2, np.nan, x)))
 
 
 def test_the_command_line_keeps_compiled_programs_in_the_user_cache(tmp_path, monkeypatch):

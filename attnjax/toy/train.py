@@ -61,10 +61,27 @@ QUICK_COMPILATION = {"xla_backend_optimization_level": 0,
                      "xla_cpu_parallel_codegen_split_count": 1}
 
 
+@functools.cache   # tried once a process, once jax's backend is up
 def quick_compilation() -> dict:
-    """`QUICK_COMPILATION` on a CPU; elsewhere XLA's defaults (XLA's GPU backend does not
+    """`QUICK_COMPILATION` on a CPU, less the options this jax's XLA does not know (XLA
+    refuses a program given one, and a newer XLA drops options: jax 0.11's has no
+    `xla_cpu_use_fusion_emitters`); elsewhere XLA's defaults (XLA's GPU backend does not
     support level 0)."""
-    return QUICK_COMPILATION if jax.default_backend() == "cpu" else {}
+    if jax.default_backend() != "cpu":
+        return {}
+    if _compiles_with(QUICK_COMPILATION):
+        return QUICK_COMPILATION
+    return {name: value for name, value in QUICK_COMPILATION.items()
+            if _compiles_with({name: value})}
+
+
+def _compiles_with(options: dict) -> bool:
+    """Whether XLA compiles a one-operation program with these compiler options."""
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
 
 
 def init_key(seed: int | jax.Array) -> jax.Array:

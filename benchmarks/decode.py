@@ -18,10 +18,11 @@ Then the encoder–decoder of the dates config (configs/dates.yaml, one layer a 
 the same model with two layers a side (the config's model until it trained one), greedily
 decoding the sources of its held-out set, 1,000 at a time: its cross-attentions projecting the
 encoder's memory once and keeping it in the cache (attnjax.nn.greedy_decode's default)
-against projecting it at every step (memory_cache=False), in one compiled loop
-(greedy_decode) and with one jitted call per token (a streaming server's loop); the same
-tokens in all four (checked). Beside each time, the same less the encoder's pass (timed
-alone), which the cache cannot shorten.
+against projecting it at every step (memory_cache=False): in one compiled loop
+(greedy_decode, the encoder's pass included), with one jitted call per token (a streaming
+server's loop, the encoder's pass included), and that loop's decoding of the encoder's
+memory alone (its starting cache and its steps: what the cache can shorten); the same
+tokens in all six (checked), timed interleaved (median of --repeats rounds).
 """
 
 import argparse
@@ -42,6 +43,7 @@ from attnjax.toy import make_task  # noqa: E402
 from attnjax.toy import train as training  # noqa: E402
 from attnjax.toy.config import load_config  # noqa: E402
 from attnjax.toy.tasks import BOS, EOS, PAD  # noqa: E402
+from _timing import median_times  # noqa: E402
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens"))
@@ -73,7 +75,7 @@ def median_seconds(fn, repeats):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dates-only", action="store_true",
                         help="only the encoder–decoder's cross-attention cache")
     parser.add_argument("--layer-only", action="store_true",
@@ -164,15 +166,23 @@ def stepwise_greedy_decode(model, params, src, lengths, *, max_len: int, memory_
     decodes (the decode=True modules' cache, `apply(..., mutable=["cache"])` a token at a
     time): each call is its own program, so no compiler can lift the projection of the
     encoder's memory out of the loop; only the cache keeps it from being redone. As a
-    server would, it traces the model once: the encoding and the starting cache are one
-    jitted call, each token another, traced inside nn.sized_for_every_append (the
-    caches hold every token)."""
+    server would, it traces the model once: the encoder's pass, the starting cache and
+    each token are jitted calls, each token's traced inside nn.sized_for_every_append
+    (the caches hold every token)."""
     model = model.clone(deterministic=True)
+    return stepwise_decode(model, params, _encode(model, params, src, lengths), lengths,
+                           max_len=max_len, memory_cache=memory_cache)
+
+
+def stepwise_decode(model, params, memory, lengths, *, max_len: int, memory_cache: bool):
+    """`stepwise_greedy_decode`'s decoding of the encoder's memory: the starting cache
+    (with the memory projected, or without), then one jitted call per token."""
     decoder = model.clone(decode=True)
-    memory, cache = _start(model, params, src, lengths, max_len=max_len,
-                           memory_cache=memory_cache)
+    cache = _start_cache(model, params, memory, lengths, max_len=max_len,
+                         memory_cache=memory_cache)
     tokens = []
-    last, done = jnp.full((src.shape[0],), BOS, jnp.int32), jnp.zeros((src.shape[0],), bool)
+    last = jnp.full((memory.shape[0],), BOS, jnp.int32)
+    done = jnp.zeros((memory.shape[0],), bool)
     for _ in range(max_len):
         last, done, cache = _decode_step(decoder, params, cache, last, memory, lengths, done,
                                          memory_cache=memory_cache)
@@ -180,9 +190,14 @@ def stepwise_greedy_decode(model, params, src, lengths, *, max_len: int, memory_
     return jnp.stack(tokens, axis=1)
 
 
-# the encoder's memory and the cache, as greedy_decode starts (with the projected memory,
-# or without it for the steps to project)
-_start = jax.jit(decoding._start, static_argnames=("model", "max_len", "memory_cache"))
+@functools.partial(jax.jit, static_argnames="model")
+def _encode(model, params, src, lengths):
+    return model.apply({"params": params}, src, lengths, method=nn.Transformer.encode)
+
+
+# the cache greedy_decode starts from (with the projected memory, or without it for the
+# steps to project)
+_start_cache = jax.jit(decoding._start_cache, static_argnames=("model", "max_len", "memory_cache"))
 
 
 @functools.partial(jax.jit, static_argnames=("decoder", "memory_cache"),
@@ -210,15 +225,16 @@ def dates_memory_cache(repeats: int, overrides: list[str]) -> None:
     dates config's model changed by `overrides` (`--set` syntax)."""
     config = load_config("dates", overrides)
     task = make_task(config.task)
-    model = training.make_model(config, task)
+    model = training.make_model(config, task).clone(deterministic=True)
     held_out = training.eval_set(task, config)
     src = jnp.asarray(held_out.src[:config.eval_batch_size])
     lengths = jnp.asarray(held_out.src_lengths[:config.eval_batch_size])
     params = model.init(jax.random.key(0), src, jnp.full((src.shape[0], 2), BOS, jnp.int32),
-                        lengths, deterministic=True)["params"]
+                        lengths)["params"]
     max_len = held_out.tgt_out.shape[1]
+    memory = _encode(model, params, src, lengths)
 
-    def decode(memory_cache):
+    def compiled(memory_cache):
         return lambda: nn.greedy_decode(model, params, src, lengths, max_len=max_len, bos_id=BOS,
                                         eos_id=EOS, pad_id=PAD, memory_cache=memory_cache)
 
@@ -226,30 +242,38 @@ def dates_memory_cache(repeats: int, overrides: list[str]) -> None:
         return lambda: stepwise_greedy_decode(model, params, src, lengths, max_len=max_len,
                                               memory_cache=memory_cache)
 
-    runs = {(loop, cached): (decode if loop == "compiled" else stepwise)(cached)
-            for loop in ("compiled", "stepwise") for cached in (True, False)}
+    def decoding_alone(memory_cache):
+        return lambda: stepwise_decode(model, params, memory, lengths, max_len=max_len,
+                                       memory_cache=memory_cache)
+
+    runs = {(loop, cached): make(cached)
+            for loop, make in (("compiled", compiled), ("stepwise", stepwise),
+                               ("decoding", decoding_alone))
+            for cached in (True, False)}
+    # the encoder's pass alone, which every run makes once and the cache cannot shorten
+    runs["encoder", None] = lambda: _encode(model, params, src, lengths)
     reference = runs["compiled", True]()
-    same = all(bool(jnp.all(run() == reference)) for run in runs.values())
-    seconds = {key: median_seconds(run, repeats) for key, run in runs.items()}
-    # the encoder's pass, which both ways make once: what the cache cannot shorten
-    encode = jax.jit(lambda params, src, lengths: model.apply(
-        {"params": params}, src, lengths, method=nn.Transformer.encode, deterministic=True))
-    encoding = median_seconds(lambda: encode(params, src, lengths), repeats)
+    same = all(bool(jnp.all(run() == reference))
+               for (loop, _), run in runs.items() if loop != "encoder")
+    seconds = median_times(runs, (), repeats=repeats, warmup=1)
+    encoding = seconds["encoder", None]
     print(f"dates encoder–decoder ({config.model.num_decoder_layers} decoder layers, d_model "
           f"{config.model.d_model}), {src.shape[0]} sources of {src.shape[1]} tokens, "
-          f"{max_len} target tokens, greedy; same tokens in all four: {same}; the "
-          f"encoder's pass alone {encoding:.3f} s")
-    print("| decoding loop | cross-attention memory | s | speed-up | without the encoder's "
-          "pass: s | speed-up |")
-    print("|---|---|---:|---:|---:|---:|")
-    for loop, name in (("compiled", "one compiled loop (attnjax.nn.greedy_decode)"),
-                       ("stepwise", "one jitted call per token")):
+          f"{max_len} target tokens, greedy; same tokens in all six: {same}; the "
+          f"encoder's pass alone {encoding * 1e3:.1f} ms")
+    print("| decoding loop | cross-attention memory | ms | speed-up |")
+    print("|---|---|---:|---:|")
+    for loop, name in (("compiled", "one compiled loop (attnjax.nn.greedy_decode), the "
+                                    "encoder's pass included"),
+                       ("stepwise", "one jitted call per token, the encoder's pass "
+                                    "included"),
+                       ("decoding", "one jitted call per token, after the encoder's pass "
+                                    "(the starting cache and the steps)")):
         every = seconds[loop, False]
-        for cached, memory in ((True, "projected once, kept in the cache"),
-                               (False, "projected every step")):
+        for cached, memory_name in ((True, "projected once, kept in the cache"),
+                                    (False, "projected every step")):
             t = seconds[loop, cached]
-            print(f"| {name} | {memory} | {t:.3f} | {every / t:.2f}× | {t - encoding:.3f} | "
-                  f"{(every - encoding) / (t - encoding):.2f}× |")
+            print(f"| {name} | {memory_name} | {t * 1e3:.1f} | {every / t:.2f}× |")
 
 
 if __name__ == "__main__":

@@ -132,24 +132,32 @@ def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int
 
 def _start(model: Transformer, params, src, src_lengths, *, max_len: int,
            memory_cache: bool = True):
-    """The encoder's memory `[B, S, D]` and the cache of `model.clone(decode=True)` that
-    decoding starts from: the self-attention caches, empty, and the cross-attentions'
-    projected memory (left out without memory_cache: every step projects it).
+    """The encoder's memory `[B, S, D]` and the cache that decoding starts from
+    (`_start_cache`)."""
+    memory = model.apply({"params": params}, src, src_lengths, method=Transformer.encode)
+    return memory, _start_cache(model, params, memory, src_lengths, max_len=max_len,
+                                memory_cache=memory_cache)
+
+
+def _start_cache(model: Transformer, params, memory, src_lengths, *, max_len: int,
+                 memory_cache: bool = True):
+    """The cache of `model.clone(decode=True)` that decoding of the encoder's memory
+    starts from: the self-attention caches, empty, and the cross-attentions' projected
+    memory (left out without memory_cache: every step projects it).
 
     The memory is projected by a decoder pass over one token whose cache is then
     dropped: of that pass only the memory's projections reach the result, and XLA
     compiles nothing else of it (a first decoding step outside the loop compiled the
     whole decoder a second time)."""
-    memory = model.apply({"params": params}, src, src_lengths, method=Transformer.encode)
-    tgt = jnp.zeros((src.shape[0], max_len), jnp.int32)
+    tgt = jnp.zeros((memory.shape[0], max_len), jnp.int32)
     decoder = model.clone(decode=True)
     cache = _without_memory(_empty_cache(decoder, memory, tgt, method=_full_length_decoder))
     if not memory_cache:
-        return memory, cache
+        return cache
     _, variables = decoder.apply({"params": params, "cache": cache}, tgt[:, :1], memory,
                                  src_lengths, method=Transformer.decode_logits,
                                  mutable=["cache"])
-    return memory, _with_memory(cache, variables["cache"])
+    return _with_memory(cache, variables["cache"])
 
 
 def _with_memory(cache, primed):

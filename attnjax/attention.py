@@ -573,11 +573,14 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
 # (32, 64, 4), 2 MiB of logits, 1.10x in 4 parts against 1.00x whole (with this
 # constant at 2 and 1 MiB and 256 KiB, in 2 parts 1.05x, in 8 0.91x); at (8, 512, 8),
 # 64 MiB, 1.61x in 8 parts (one example each) against 1.14x whole (in 4 parts 1.39x).
-# Each part is traced and compiled on its own, so there are at most DENSE_PARTS_MAX;
-# and a head of fewer than DENSE_PART_MIN_GRID logits (a decoding step, T = 1, or a
-# toy task's 16-token sources) is too little work to share: `python train_toy.py`
-# (copy, evaluating 1,000 sources at a time) took 29.6 s with those in parts, 26.4 s
-# without, from an empty compilation cache.
+# Each part is traced and compiled on its own, so there are at most DENSE_PARTS_MAX.
+# Heads of fewer than DENSE_PART_MIN_GRID logits (a toy task's 16-token sources) are
+# too little work for parts of this size: a batch of them runs in two halves, one per
+# core of a 2-core CPU, once its logits reach half a part (the copy model's whole
+# training step, 128 sources of 16 tokens, 4 heads: flax's time over attnjax's 1.05-1.07
+# in two halves against 1.03-1.05 whole, five runs of 101 steps interleaved; the default
+# `python train_toy.py` 11.3-11.6 s against 11.6-11.8 s from an empty compilation
+# cache), and a decoding step (T = 1) runs whole.
 # A forward pass alone runs whole: against jax.nn.dot_product_attention, forward only,
 # dense, causal / not, 2-core CPU, one process: (B, T, N, H) = (4, 128, 8, 64) 0.91 /
 # 0.83 in 4 parts, 1.05 / 1.12 whole; (8, 128, 8, 64) 0.94 / 0.85 in 8, 1.20 / 1.30
@@ -601,10 +604,12 @@ def _in_parts_when_differentiated(mapped, batch: int, parts: int):
 
 def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:
     """How many parts of the batch the dense kernel runs on (see DENSE_PART_BYTES)."""
-    if jax.default_backend() != "cpu" or t * s < DENSE_PART_MIN_GRID:
+    if jax.default_backend() != "cpu":
         return 1
-    parts = batch * num_heads * t * s * 4 // DENSE_PART_BYTES
-    return max(1, min(batch, DENSE_PARTS_MAX, parts))
+    logits = batch * num_heads * t * s * 4
+    if t * s < DENSE_PART_MIN_GRID:
+        return 2 if t > 1 and batch > 1 and logits >= DENSE_PART_BYTES // 2 else 1
+    return max(1, min(batch, DENSE_PARTS_MAX, logits // DENSE_PART_BYTES))
 
 
 # A call on concrete arrays (not inside jit, grad or vmap) runs as one program, compiled

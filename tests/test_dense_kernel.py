@@ -219,6 +219,38 @@ def _dots(fn, *args) -> int:
     return jax.jit(fn).lower(*args).as_text().count("dot_general")
 
 
+def test_a_batch_of_small_heads_differentiates_in_two_halves_with_the_same_numbers(
+        monkeypatch):
+    """Heads of fewer than DENSE_PART_MIN_GRID logits run their derivatives in two
+    halves of the batch once its logits reach half a part (one half per core), the
+    forward pass whole, a decoding step (T = 1) whole; the numbers are the whole batch's."""
+    b = 7   # halves of 4 and 3
+    generator = draws.host(5)
+    q, k, v = draws.normals(generator, (b, T, N, H), (b, S, K, H), (b, S, K, V))
+    cotangent = draws.normal(generator, (b, T, N, V))
+    lengths = draws.randint(generator, (b,), 1, S + 1)
+
+    def run(q, k, v):
+        return attnjax.dot_product_attention(q, k, v, is_causal=True, key_lengths=lengths,
+                                             implementation="dense")
+
+    def backward():   # a new function at each count: jax reuses a function's trace
+        return jax.grad(lambda *a: jnp.sum(run(*a) * cotangent), (0, 1, 2))
+
+    logits_bytes = b * N * T * S * 4
+    assert T * S < attention_module.DENSE_PART_MIN_GRID
+    assert logits_bytes < attention_module.DENSE_PART_BYTES // 2   # too little: whole
+    whole_backward = _dots(backward(), q, k, v)
+    whole = jax.jit(backward())(q, k, v)
+    monkeypatch.setattr(attention_module, "DENSE_PART_BYTES", 2 * logits_bytes)
+    assert attention_module._dense_parts(b, T, S, N) == 2
+    assert attention_module._dense_parts(1, T, S, N) == 1     # one example: nothing to halve
+    assert attention_module._dense_parts(b, 1, S, N * T) == 1  # a decoding step
+    assert _dots(backward(), q, k, v) == 2 * whole_backward
+    assert _dots(lambda *a: run(*a), q, k, v) == 2             # the forward pass, whole
+    chex.assert_trees_all_close(jax.jit(backward())(q, k, v), whole, rtol=1e-6, atol=1e-6)
+
+
 def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
     """Parts of the batch (here 3 of B=5, unequal) give the numbers of one part: every
     per-example array (segment ids, lengths, bias, dropout keys) follows its example."""

@@ -7,7 +7,7 @@ greedy decoding of --tokens tokens, both under jax.jit, in one process: attnjax.
 (prefill, then one token a step on the cache) against a loop that runs the full causal
 forward over the fixed-size token buffer at every step and reads off the next token.
 Both produce the same tokens (checked); the median wall time of --repeats runs after a
-warm-up is reported.
+warm-up, timed interleaved, is reported.
 
 Then one attention layer decoding token by token, each token one jitted call (B=1,
 D=256, 4 heads, a 256-token cache): flax's MultiHeadDotProductAttention against
@@ -62,16 +62,6 @@ def generate_without_cache(model, params, prompt, *, max_new_tokens: int):
     return jax.lax.fori_loop(0, max_new_tokens, step, tokens)
 
 
-def median_seconds(fn, repeats):
-    jax.block_until_ready(fn())
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256)
@@ -96,8 +86,9 @@ def main() -> None:
     recomputed = lambda: generate_without_cache(  # noqa: E731
         model, params, prompt, max_new_tokens=args.tokens)
     same = bool(jnp.all(cached() == recomputed()))
-    t_cached = median_seconds(cached, args.repeats)
-    t_recomputed = median_seconds(recomputed, args.repeats)
+    seconds = median_times({"cached": cached, "recomputed": recomputed}, (),
+                           repeats=args.repeats, warmup=1)
+    t_cached, t_recomputed = seconds["cached"], seconds["recomputed"]
     print(f"device: {jax.devices()[0].device_kind}; DecoderOnly 4×256, batch {batch}, prompt "
           f"{prompt_len}, {args.tokens} new tokens, greedy; same tokens: {same}")
     print("| decoding | s | tokens/s | speed-up |")

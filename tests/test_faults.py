@@ -266,6 +266,7 @@ def runs(tmp_path_factory):
         # Once the reference has compiled (the cache is filled), the faults in training.
         whole.wait_for(f"step 1/{STEPS}")
         killed = start("killed")
+        again = start("again")   # the same command from scratch: the same records
         # at given steps: a step takes milliseconds, faster than a signal sent on a line
         stopped = start("sigterm", driver=driver,
                         env={"FAULT_SIGNAL": "SIGTERM:attnjax.toy.train:train_batch:8:0:1"})
@@ -282,15 +283,18 @@ def runs(tmp_path_factory):
         killed.wait_for(f"step {kill_at}/{STEPS}")
         killed.process.send_signal(signal.SIGKILL)
         done["intact_when_killed"] = _intact(killed.workdir)
-        for run in (whole, killed, stopped, twice, compiling, first_step, full):
+        for run in (whole, again, killed, stopped, twice, compiling, first_step, full):
             done[run.name] = run.wait()
         done["intact_when_stopped"] = _intact(stopped.workdir)
         done["intact_when_full"] = _intact(full.workdir)
+        for run in (compiling, first_step):
+            done[f"intact_when_{run.name}"] = _intact(run.workdir)
 
         # The reruns: after the kill; once the disk has room, its last checkpoint damaged
         # since (the truncated and other kinds of damage: test_checkpoint_damage_...).
         _flip(_largest_file(full.workdir / "checkpoints" / "10"))
         reruns = [start("killed_rerun", workdir=killed.workdir),
+                  start("interrupted_rerun", workdir=first_step.workdir),
                   start("damaged_rerun", workdir=full.workdir)]
         for run in reruns:
             done[run.name] = run.wait()
@@ -330,7 +334,21 @@ def test_sigint_during_compilation_exits_130_when_it_is_done(runs, name, said):
     (and its compilation) begins; the run stops at the next safe point and says what it
     saved, which is on disk and intact."""
     _one_error_line(runs[name], 130, f"interrupted (SIGINT) {said}")
-    assert _intact(runs[name].workdir) == ([1] if "step 1" in said else [])
+    assert runs[f"intact_when_{name}"] == ([1] if "step 1" in said else [])
+
+
+def test_the_same_command_again_and_after_an_interruption_ends_with_the_same_records(runs):
+    """Run again from scratch, and rerun after the SIGINT of step 1 (exit 130): both end
+    with the uninterrupted run's metrics, record for record (every step logged)."""
+    whole = _records(runs["whole"].workdir)
+    assert len(whole) == STEPS + 1   # a record a step and the evaluation
+    assert runs["again"].returncode == 0, runs["again"].stderr[-3000:]
+    assert _records(runs["again"].workdir) == whole
+    assert "rerun the same command to resume" in runs["sigint_compiling_step"].stderr
+    rerun = runs["interrupted_rerun"]
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming {rerun.workdir} from step 1" in rerun.stdout
+    assert _records(rerun.workdir) == whole
 
 
 def test_sigterm_mid_run_checkpoints_the_step_and_exits_143(runs):

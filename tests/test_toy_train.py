@@ -1,14 +1,12 @@
 """Training end to end on a tiny config: the loss falls, outputs are written, runs are
-reproducible, killed and interrupted runs resume to the uninterrupted metrics, NaN stops
-the run, and the command line exits 2 on a bad config."""
+reproducible, NaN stops the run, and the command line exits 2 on a bad config. (Killed
+and interrupted command-line runs, and their reruns: test_faults.py.)"""
 
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -116,86 +114,6 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, float32):
                 interactive=False)
     records = _records(tmp_path / "run")
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
-
-
-def _cli(workdir: Path, *args: str) -> list[str]:
-    overrides = [arg for o in TINY + ["steps=100", "eval_every=50", "checkpoint_every=20"]
-                 for arg in ("--set", o)]
-    return [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(workdir), *overrides,
-            *args]
-
-
-def _wait_for_checkpoint(workdir: Path, process, step: int, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while not (workdir / "checkpoints" / str(step)).exists():
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "no checkpoint in time"
-        time.sleep(0.02)
-
-
-def _wait_for_evaluation(workdir: Path, process, timeout: float = 300.0):
-    """Until the run in workdir has written its first evaluation: by then it has compiled
-    (and put in the compilation cache) every program a run of its config runs."""
-    deadline = time.monotonic() + timeout
-    metrics = workdir / "metrics.jsonl"
-    while not (metrics.exists() and "eval_exact_match" in metrics.read_text()):
-        if process.poll() is not None:   # ended: it must have evaluated first
-            assert metrics.exists() and "eval_exact_match" in metrics.read_text(), \
-                process.communicate()
-            return
-        assert time.monotonic() < deadline, "no evaluation in time"
-        time.sleep(0.02)
-
-
-def _latest(workdir: Path) -> int:
-    return max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-
-
-def test_killed_and_interrupted_runs_resume_to_the_uninterrupted_metrics(tmp_path):
-    """Four runs of one config: whole, again (same seed), killed with SIGKILL and
-    interrupted with SIGINT mid-run; the last two are then rerun. The other three start
-    once whole has compiled its programs, and they and the reruns load them from the
-    suite's compilation cache (every program cached, however quickly it compiles)."""
-    env = children.environment(None, PYTHONUNBUFFERED="1")
-    names = ("whole", "again", "killed", "interrupted")
-
-    def start(name):
-        return subprocess.Popen(_cli(tmp_path / name), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-
-    processes = {"whole": start("whole")}
-    cut = (("killed", signal.SIGKILL, -9), ("interrupted", signal.SIGINT, 130))
-    reruns = {}
-    try:
-        _wait_for_evaluation(tmp_path / "whole", processes["whole"])
-        processes.update({name: start(name) for name in names[1:]})
-        for name, sig, _ in cut:
-            _wait_for_checkpoint(tmp_path / name, processes[name], 40)
-            processes[name].send_signal(sig)
-        for name, sig, code in cut:
-            output, _ = processes[name].communicate(timeout=120)
-            assert processes[name].returncode == code, output
-            assert 40 <= _latest(tmp_path / name) < 100
-            if sig == signal.SIGINT:
-                assert "rerun the same command to resume" in output
-        # the reruns side by side
-        reruns = {name: subprocess.Popen(_cli(tmp_path / name), env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True)
-                  for name, _, _ in cut}
-        for name, resumed in reruns.items():
-            stdout, stderr = resumed.communicate(timeout=300)
-            assert resumed.returncode == 0, stderr
-            assert "resuming" in stdout
-        for name in ("whole", "again"):
-            output, _ = processes[name].communicate(timeout=300)
-            assert processes[name].returncode == 0, output
-    finally:
-        for process in [*processes.values(), *reruns.values()]:
-            process.kill()
-    whole = _records(tmp_path / "whole")
-    assert len(whole) == 12   # 10 log records and 2 evaluations
-    for name in names[1:]:
-        assert _records(tmp_path / name) == whole, name
 
 
 # Mistakes found before training starts. A bad config is read in process (main's return

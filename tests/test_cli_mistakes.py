@@ -95,62 +95,15 @@ def test_a_coordinator_port_in_use_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "w").exists()
 
 
-def _waiting_alone(tmp_path, process_id: int, *flags: str,
+def _waiting_alone(workdir: Path, process_id: int, *flags: str,
                    host: str = "127.0.0.1") -> subprocess.Popen:
     """The training command as one process of two whose other never starts."""
     port = children.free_port()
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path / "w"),
+        [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(workdir),
          "--coordinator", f"{host}:{port}", "--num-processes", "2", "--process-id",
          str(process_id), *flags], env=dict(os.environ, PYTHONUNBUFFERED="1"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-@pytest.mark.parametrize("host, why", [
-    ("127.0.0.1", "which did not all connect: start every process"),
-    # a name that never resolves (RFC 2606)
-    ("nosuchhost.invalid", "which did not all connect (nosuchhost.invalid does not "
-                           "resolve: "),
-])
-def test_a_process_whose_others_never_connect_says_so_and_gives_up_in_one_line(tmp_path,
-                                                                               host, why):
-    """A wrong port or host, a process not started: jax.distributed waited 300 s in
-    silence and then aborted the process with a C++ stack dump. Now the process says it
-    waits, and at --join-timeout it ends with one line and exit 1, naming a host that
-    does not resolve."""
-    process = _waiting_alone(tmp_path, 1, "--join-timeout", "4", host=host)
-    try:
-        out, err = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == 1, err[-3000:]
-    assert "Traceback" not in err and "Check failure" not in err, err[-3000:]
-    waiting, error = err.splitlines()
-    assert waiting.startswith(f"process 1 of 2: waiting for the other processes at {host}:")
-    assert error.startswith("error: process 1 of 2 waited 4 s for the other processes")
-    assert why in error and error.endswith("or give them longer with --join-timeout")
-    assert not (tmp_path / "w").exists()
-
-
-def test_ctrl_c_while_waiting_for_the_other_processes_ends_the_process_at_once(tmp_path):
-    """jax.distributed waits in C++ for every process to connect; the signal was held
-    until it gave up (300 s). It is now honoured within a moment: exit 130, one line."""
-    process = _waiting_alone(tmp_path, 0)
-    try:
-        assert select.select([process.stderr], [], [], 60)[0], "nothing said in 60 s"
-        waiting = process.stderr.readline()
-        assert waiting.startswith("process 0 of 2: waiting for the other processes"), waiting
-        process.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        out, err = process.communicate(timeout=60)
-        took = time.monotonic() - sent
-    finally:
-        process.kill()
-    assert process.returncode == 130, err[-3000:]
-    assert err == ("interrupted (SIGINT) while process 0 of 2 waited for the other "
-                   "processes; this run saved nothing\n"), err[-3000:]
-    assert took < 30, took   # (jax's own deadline is 300 + 60 s)
-    assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.parametrize("started, joining", [(False, False), (True, True)])
@@ -266,3 +219,67 @@ def test_an_emptied_saved_config_is_unreadable_not_another_config(tmp_path):
     config = load_config(ROOT / "configs" / "copy.yaml", TINY)
     with pytest.raises(cli.ConfigError, match=r"config.yaml is unreadable \(empty\)"):
         cli._claim_workdir(workdir, config, force_new=False)
+
+
+# --- processes of a run whose others never connect: last in the module, as they read the
+# processes that `waiting` started when it began -----------------------------------------
+
+# The hosts of processes whose others never connect, and why their error line says so
+# (the second, a name that never resolves: RFC 2606).
+NEVER_CONNECTED = [
+    ("127.0.0.1", "which did not all connect: start every process"),
+    ("nosuchhost.invalid", "which did not all connect (nosuchhost.invalid does not "
+                           "resolve: "),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def waiting(tmp_path_factory):
+    """The processes left waiting alone, and their workdirs: one per host of
+    NEVER_CONNECTED, giving up after 4 s, and "ctrl_c", which waits for as long as the
+    default allows. Started side by side as the module begins (autouse), their seconds
+    of waiting pass while the other tests run."""
+    tmp = tmp_path_factory.mktemp("waiting")
+    started = {host: (_waiting_alone(tmp / host, 1, "--join-timeout", "4", host=host),
+                      tmp / host) for host, _ in NEVER_CONNECTED}
+    started["ctrl_c"] = _waiting_alone(tmp / "ctrl_c", 0), tmp / "ctrl_c"
+    yield started
+    for process, _ in started.values():
+        process.kill()
+        process.communicate()
+
+
+@pytest.mark.parametrize("host, why", NEVER_CONNECTED)
+def test_a_process_whose_others_never_connect_says_so_and_gives_up_in_one_line(waiting,
+                                                                               host, why):
+    """A wrong port or host, a process not started: jax.distributed waited 300 s in
+    silence and then aborted the process with a C++ stack dump. Now the process says it
+    waits, and at --join-timeout it ends with one line and exit 1, naming a host that
+    does not resolve."""
+    process, workdir = waiting[host]
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "Check failure" not in err, err[-3000:]
+    waited, error = err.splitlines()
+    assert waited.startswith(f"process 1 of 2: waiting for the other processes at {host}:")
+    assert error.startswith("error: process 1 of 2 waited 4 s for the other processes")
+    assert why in error and error.endswith("or give them longer with --join-timeout")
+    assert not workdir.exists()
+
+
+def test_ctrl_c_while_waiting_for_the_other_processes_ends_the_process_at_once(waiting):
+    """jax.distributed waits in C++ for every process to connect; the signal was held
+    until it gave up (300 s). It is now honoured within a moment: exit 130, one line."""
+    process, workdir = waiting["ctrl_c"]
+    assert select.select([process.stderr], [], [], 60)[0], "nothing said in 60 s"
+    said = process.stderr.readline()
+    assert said.startswith("process 0 of 2: waiting for the other processes"), said
+    process.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    out, err = process.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert process.returncode == 130, err[-3000:]
+    assert err == ("interrupted (SIGINT) while process 0 of 2 waited for the other "
+                   "processes; this run saved nothing\n"), err[-3000:]
+    assert took < 30, took   # (jax's own deadline is 300 + 60 s)
+    assert not workdir.exists()

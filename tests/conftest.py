@@ -72,6 +72,29 @@ os.environ["JAX_THREEFRY_PARTITIONABLE"] = "0"
 
 import jax  # noqa: E402
 
+
+def _xla_threads_on_this_workers_share_of_the_cores() -> None:
+    """Each xdist worker's XLA runs its programs on its own share of the cores (one of
+    two, on two cores): its CPU client sizes and starts its thread pools while the
+    process may run on that share alone, which it may use again once they have started.
+    Every worker's pools spanned every core: on two cores the suite's programs ran 2
+    workers × 2 threads on 2 cores, and took 268-270 s (458 s of CPU); 235-247 s (408-424)
+    on one core each. The worker's own thread (tracing, compiling) and the processes it
+    starts (the command line, as a user runs it) keep every core."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")   # gw0, gw1, ...
+    if worker is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    first = int(worker.removeprefix("gw")) * share % (len(cores) - share + 1)
+    os.sched_setaffinity(0, cores[first:first + share])
+    try:
+        jax.devices()
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+_xla_threads_on_this_workers_share_of_the_cores()
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -1,14 +1,19 @@
 """The environment of the command-line runs the tests start, the one-device mesh of a run
 in the tests' own process (both as on a user's machine, where the suite's process has
 four emulated devices), and a free port for the coordinator of a run of several
-processes."""
+processes, and the processes of such a run."""
 
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 
 from attnjax.parallel import mesh as mesh_lib
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def environment(devices: int | None, **extra: str) -> dict[str, str]:
@@ -32,3 +37,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def processes_of_one_run(workdir: Path, overrides: list[str], count: int = 2,
+                         **popen) -> list[subprocess.Popen]:
+    """The training command (train_toy.py --workdir workdir --set ...) as processes 0 to
+    count - 1 of one run, one device each, gloo on 127.0.0.1; `popen` for their output."""
+    port = free_port()
+    settings = [arg for o in overrides for arg in ("--set", o)]
+    return [subprocess.Popen(
+        [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(workdir),
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(count), "--process-id",
+         str(i), *settings], env=environment(1), text=True, **popen) for i in range(count)]

@@ -1,7 +1,8 @@
 """Faults, run as a user meets them: the command line under SIGINT, SIGTERM and SIGKILL
-at several moments from start-up on, damaged and partial checkpoints, two runs on one
-workdir, a read-only and a full disk, and every kind of bad config value. Each ends with
-one clear line and a workdir a rerun continues from exactly.
+at several moments from start-up on, one process of a run of two killed or signalled,
+damaged and partial checkpoints, two runs on one workdir, a read-only and a full disk,
+and every kind of bad config value. Each ends with one clear line and a workdir a rerun
+continues from exactly.
 
 The command-line runs are subprocesses started side by side by one module fixture
 (`runs`), sharing a compilation cache; the tests read their outcomes. A fault that
@@ -14,6 +15,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -378,6 +380,72 @@ def test_sigkill_at_a_random_step_loses_only_the_steps_since_the_last_checkpoint
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resuming {rerun.workdir} from step {intact[-1]}" in rerun.stdout
     assert _records(rerun.workdir) == _records(runs["whole"].workdir), kill_at
+
+
+# --- runs of several processes ---------------------------------------------------------
+
+
+def _two_processes_training(workdir: Path) -> list[subprocess.Popen]:
+    """Two processes of one long run (stderr piped), once they have logged 12 steps; no
+    checkpoint falls due."""
+    processes = children.processes_of_one_run(
+        workdir, TINY + ["steps=5000", "eval_every=5000", "checkpoint_every=5000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 12):
+        if time.monotonic() > deadline or processes[0].poll() is not None:
+            for p in processes:
+                p.kill()
+            raise AssertionError(f"no training after 180 s: {processes[0].communicate()[1]}")
+        time.sleep(0.2)
+    return processes
+
+
+def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path):
+    """Process 1 of two is killed mid-training: process 0 stops at its next step (not
+    after jax.distributed's shutdown barrier gives up and aborts it), exit status 1, with
+    one line that says what happened and which checkpoint is kept."""
+    # no checkpoint is due: the kill does not land in a save (which fails on its own
+    # terms, and whose process then waits at most 30 s for the others)
+    processes = _two_processes_training(tmp_path)
+    try:
+        processes[1].kill()
+        _, err = processes[0].communicate(timeout=60)
+    finally:
+        for p in processes:
+            p.kill()
+    assert processes[0].returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert "lost contact with the other processes of the run" in lines[0]
+    assert lines[0].endswith("Last good checkpoint: none; start every process again to "
+                             "resume"), lines[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_one_process_stops_every_process_at_one_checkpointed_step(tmp_path, sig):
+    """SIGTERM or Ctrl-C to process 1 alone: both processes stop at the same step,
+    checkpoint it together and exit 128 + their signal (process 0 was told by jax's
+    preemption service: SIGTERM). jax's service takes SIGTERM from the process, which
+    trained on as if nothing came."""
+    processes = _two_processes_training(tmp_path)
+    try:
+        processes[1].send_signal(sig)
+        errs = [p.communicate(timeout=60)[1] for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    steps = set()
+    for p, err, told in zip(processes, errs, (signal.SIGTERM, sig)):
+        assert p.returncode == 128 + told, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        match = re.fullmatch(rf"interrupted \({told.name}\) at step (\d+); saved a checkpoint "
+                             rf"of step \1 in .*: rerun the same command to resume", last)
+        assert match, last
+        steps.add(int(match[1]))
+    assert len(steps) == 1
+    assert (tmp_path / "checkpoints" / str(steps.pop())).is_dir()
 
 
 # --- checkpoints -----------------------------------------------------------------------

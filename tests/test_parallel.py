@@ -1,12 +1,9 @@
 """Sharded training: data- and model-parallel runs on 4 emulated devices, and two
-processes on 127.0.0.1 (gloo), each matching a one-device run step for step."""
+processes on 127.0.0.1 (gloo), each matching a one-device run step for step. (One of
+two processes killed or signalled: test_faults.py.)"""
 
 import json
-import re
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
@@ -106,20 +103,10 @@ def test_mesh_errors():
                 mesh=mesh_lib.make_mesh(devices=jax.devices()[:4]))
 
 
-def _two_processes(workdir: Path, settings: list[str], **popen) -> list[subprocess.Popen]:
-    """The training command as processes 0 and 1 of two (one device each, gloo on
-    127.0.0.1), with the PARALLEL config and `settings`."""
-    port = children.free_port()
-    overrides = [arg for o in PARALLEL + settings for arg in ("--set", o)]
-    return [subprocess.Popen(
-        [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(workdir),
-         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-         *overrides], env=children.environment(1), text=True, **popen) for i in range(2)]
-
-
 def test_two_processes_match_one_process(tmp_path, one_device):
-    processes = _two_processes(tmp_path, ["steps=50", "eval_every=50", "checkpoint_every=20"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    processes = children.processes_of_one_run(
+        tmp_path, PARALLEL + ["steps=50", "eval_every=50", "checkpoint_every=20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         outputs = [p.communicate(timeout=240)[0] for p in processes]
     finally:
@@ -133,66 +120,3 @@ def test_two_processes_match_one_process(tmp_path, one_device):
     np.testing.assert_allclose(losses, one_device, rtol=0, atol=1e-5)
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
                   if p.name.isdigit()) == [20, 40, 50]
-
-
-def _two_processes_training(workdir: Path) -> list[subprocess.Popen]:
-    """Two processes of a long run (stderr piped), once they have logged 12 steps; no
-    checkpoint falls due."""
-    processes = _two_processes(workdir, ["steps=5000", "eval_every=5000",
-                                         "checkpoint_every=5000"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    metrics = workdir / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 12):
-        if time.monotonic() > deadline or processes[0].poll() is not None:
-            for p in processes:
-                p.kill()
-            raise AssertionError(f"no training after 180 s: {processes[0].communicate()[1]}")
-        time.sleep(0.2)
-    return processes
-
-
-def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path):
-    """Process 1 of two is killed mid-training: process 0 stops at its next step (not
-    after jax.distributed's shutdown barrier gives up and aborts it), exit status 1, with
-    one line that says what happened and which checkpoint is kept."""
-    # no checkpoint is due: the kill does not land in a save (which fails on its own
-    # terms, and whose process then waits at most 30 s for the others)
-    processes = _two_processes_training(tmp_path)
-    try:
-        processes[1].kill()
-        _, err = processes[0].communicate(timeout=60)
-    finally:
-        for p in processes:
-            p.kill()
-    assert processes[0].returncode == 1, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    assert "lost contact with the other processes of the run" in lines[0]
-    assert lines[0].endswith("Last good checkpoint: none; start every process again to "
-                             "resume"), lines[0]
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_one_process_stops_every_process_at_one_checkpointed_step(tmp_path, sig):
-    """SIGTERM or Ctrl-C to process 1 alone: both processes stop at the same step,
-    checkpoint it together and exit 128 + their signal (process 0 was told by jax's
-    preemption service: SIGTERM). jax's service takes SIGTERM from the process, which
-    trained on as if nothing came."""
-    processes = _two_processes_training(tmp_path)
-    try:
-        processes[1].send_signal(sig)
-        errs = [p.communicate(timeout=60)[1] for p in processes]
-    finally:
-        for p in processes:
-            p.kill()
-    steps = set()
-    for p, err, told in zip(processes, errs, (signal.SIGTERM, sig)):
-        assert p.returncode == 128 + told, err[-3000:]
-        last = err.strip().splitlines()[-1]
-        match = re.fullmatch(rf"interrupted \({told.name}\) at step (\d+); saved a checkpoint "
-                             rf"of step \1 in .*: rerun the same command to resume", last)
-        assert match, last
-        steps.add(int(match[1]))
-    assert len(steps) == 1
-    assert (tmp_path / "checkpoints" / str(steps.pop())).is_dir()

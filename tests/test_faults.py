@@ -289,14 +289,14 @@ def runs(tmp_path_factory):
             done[run.name] = run.wait()
         done["intact_when_stopped"] = _intact(stopped.workdir)
         done["intact_when_full"] = _intact(full.workdir)
-        for run in (compiling, first_step):
+        for run in (twice, compiling, first_step):
             done[f"intact_when_{run.name}"] = _intact(run.workdir)
 
         # The reruns: after the kill; once the disk has room, its last checkpoint damaged
         # since (the truncated and other kinds of damage: test_checkpoint_damage_...).
         _flip(_largest_file(full.workdir / "checkpoints" / "10"))
         reruns = [start("killed_rerun", workdir=killed.workdir),
-                  start("interrupted_rerun", workdir=first_step.workdir),
+                  start("interrupted_rerun", workdir=twice.workdir),
                   start("damaged_rerun", workdir=full.workdir)]
         for run in reruns:
             done[run.name] = run.wait()
@@ -340,8 +340,9 @@ def test_sigint_during_compilation_exits_130_when_it_is_done(runs, name, said):
 
 
 def test_the_same_command_again_and_after_an_interruption_ends_with_the_same_records(runs):
-    """Run again from scratch, and rerun after the SIGINT of step 1 (exit 130): both end
-    with the uninterrupted run's metrics, record for record (every step logged)."""
+    """Run again from scratch, and rerun after Ctrl-C twice mid-run (exit 130, stopped at
+    once in step 8, the last checkpoint step 5 and steps 6 and 7 logged): both end with
+    the uninterrupted run's metrics, record for record (every step logged)."""
     whole = _records(runs["whole"].workdir)
     assert len(whole) == STEPS + 1   # a record a step and the evaluation
     assert runs["again"].returncode == 0, runs["again"].stderr[-3000:]
@@ -349,7 +350,7 @@ def test_the_same_command_again_and_after_an_interruption_ends_with_the_same_rec
     assert "rerun the same command to resume" in runs["sigint_compiling_step"].stderr
     rerun = runs["interrupted_rerun"]
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"resuming {rerun.workdir} from step 1" in rerun.stdout
+    assert f"resuming {rerun.workdir} from step 5" in rerun.stdout
     assert _records(rerun.workdir) == whole
 
 
@@ -366,7 +367,7 @@ def test_a_second_sigint_stops_at_once_and_still_exits_130(runs):
     last complete checkpoint."""
     _one_error_line(runs["sigint_twice"], 130, "interrupted again (SIGINT): stopped at once; "
                                                "the last complete checkpoint is step 5")
-    assert _intact(runs["sigint_twice"].workdir) == [5]
+    assert runs["intact_when_sigint_twice"] == [5]
 
 
 def test_sigkill_at_a_random_step_loses_only_the_steps_since_the_last_checkpoint(runs):

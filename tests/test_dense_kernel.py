@@ -169,9 +169,13 @@ def test_a_decoding_step_sums_the_seen_values_in_one_pass():
                                             implementation="dense", return_weights=weights)
         return out[0] if weights else out
 
-    products = [eqn for eqn in _equations(jax.make_jaxpr(run)(q, k, v).jaxpr)
-                if eqn.primitive.name == "dot_general"]
-    assert products and all(V not in x.aval.shape for eqn in products for x in eqn.invars)
+    eqns = list(_equations(jax.make_jaxpr(run)(q, k, v).jaxpr))
+    reads_v = lambda eqn: any(V in x.aval.shape for x in eqn.invars)  # noqa: E731
+    assert not [eqn for eqn in eqns if eqn.primitive.name == "dot_general" and reads_v(eqn)]
+    # the weighted values are summed over S by one reduction
+    sums = [eqn for eqn in eqns if eqn.primitive.name in ("reduce", "reduce_sum")
+            and reads_v(eqn)]
+    assert len(sums) == 1 and S in sums[0].invars[0].aval.shape
     for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
         q_, k_, v_, dirty = (x.astype(dtype) for x in (q, k, v, poisoned))
         want = jax.jit(functools.partial(run, weights=True))(q_, k_, v_)
@@ -183,6 +187,31 @@ def test_a_decoding_step_sums_the_seen_values_in_one_pass():
     clean, dirty = grad(q, k, v), grad(q, k, poisoned)
     chex.assert_tree_all_finite(dirty)
     chex.assert_trees_all_close(dirty, clean, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(64, 29, 4, 16), (48, 32, 2, 32)])
+def test_a_decoding_step_reads_k_and_v_where_they_lie(shape):
+    """One query against a cache in flax's layout `[B, S, K, H]`, on a CPU: each logit is
+    summed as k is read and the weighted values as v is read, so XLA's compiled
+    temporaries stay under half of k's size (before, the query's products with the keys ran
+    on a transposed copy of k, and the weights' products with the values were written out
+    whole, each as large as k). The numbers, with a bias, equal the autodiff path's."""
+    b, s, kv_heads, h = shape
+    generator = draws.host(14)
+    q, k, v = draws.normals(generator, (b, 1, 2 * kv_heads, h), (b, s, kv_heads, h),
+                            (b, s, kv_heads, h))
+    bias = draws.normal(generator, (b, 2 * kv_heads, 1, s))
+    lengths = jax.device_put(generator.integers(1, s + 1, b))
+
+    def run(q, k, v, bias, weights=False):
+        out = attnjax.dot_product_attention(q, k, v, bias, key_value_seq_lengths=lengths,
+                                            implementation="dense", return_weights=weights)
+        return out[0] if weights else out
+
+    program = jax.jit(run).lower(q, k, v, bias).compile()
+    assert program.memory_analysis().temp_size_in_bytes < k.nbytes / 2
+    want = jax.jit(functools.partial(run, weights=True))(q, k, v, bias)
+    chex.assert_trees_all_close(program(q, k, v, bias), want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_masked_gradient_reads_q_and_k_once_each():

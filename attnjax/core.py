@@ -156,20 +156,27 @@ def _contract_last_jvp(out_dtype, primals, tangents):
 ONE_PASS_TERMS = 32
 
 
-def sum_in_one_pass(x: Array, axis: int) -> Array:
-    """`jnp.sum(x, axis)`, which XLA's CPU backend computes in the loop that produces x
-    when the axis holds at most ONE_PASS_TERMS.
+def sums_in_one_pass(xs: tuple[Array, ...], axis: int) -> tuple[Array, ...]:
+    """`jnp.sum(x, axis)` of each of the same-shaped xs, as one reduction that XLA's CPU
+    backend computes in the loop producing the xs when the axis holds at most
+    ONE_PASS_TERMS.
 
     That backend hands an add-reduction to its YNNPACK fusion, which writes the
     reduction's operand to memory first: for one query against a cache, the products of
     the query with every key, or of the weights with every value, as large as the cache.
-    This reduction adds as a − (−b), the same sum exactly (IEEE 754 defines a − b as
-    a + (−b)), which that fusion does not take: XLA reduces x where it computes it, one
-    pass over the cache. A dates decoding step (1,000 sequences, benchmarks/decode.py,
-    2-core CPU) went from 2.4-4.5 to 1.3-1.5 ms. For values only: the general reduction
-    has no derivative.
+    That fusion takes neither a reduction of several arrays at once nor one that adds as
+    a − (−b) (the same sum exactly: IEEE 754 defines a − b as a + (−b)), the form of a
+    single sum here: XLA reduces the xs where it computes them, one pass over the cache.
+    (Of several arrays, the plain adds: with a − (−b) XLA's own reduction of a freshly
+    projected cache ran 30% slower.) A dates decoding step (1,000 sequences,
+    benchmarks/decode.py, 2-core CPU) went from 2.4-4.5 to 1.3-1.4 ms. For values only:
+    the general reduction has no derivative.
     """
-    return lax.reduce(x, jnp.zeros((), x.dtype), lambda a, b: a - (-b), (axis % x.ndim,))
+    zero, dims = jnp.zeros((), xs[0].dtype), (axis % xs[0].ndim,)
+    if len(xs) > 1:
+        return tuple(lax.reduce(tuple(xs), (zero,) * len(xs),
+                                lambda a, b: tuple(x + y for x, y in zip(a, b)), dims))
+    return (lax.reduce(xs[0], zero, lambda a, b: a - (-b), dims),)
 
 
 def _check_core(q, k, v, mask, bias, scale, score_fn) -> None:

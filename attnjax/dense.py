@@ -144,7 +144,8 @@ def _plain(q, k, v, bias, visible, rows, cols):
         # CPU backend runs the product over 1 x S per head as many small ones, and reads
         # a cache in flax's [S, K, H] layout through a transposed copy: for the dates
         # model's 4,000 heads of H = 16, 2.4x as long.
-        logits = core.sum_in_one_pass(q.astype(acc) * k.astype(acc), axis=-1)[None]
+        (logits,) = core.sums_in_one_pass((q.astype(acc) * k.astype(acc),), axis=-1)
+        logits = logits[None]
         logits = logits if bias is None else logits + bias.astype(acc)
     else:
         logits = _logits(q, k, bias)
@@ -181,14 +182,19 @@ def _weights_times_values(weights, v, cols, total):
     goes into the sum instead, Σ_s [s seen] w_s v_s, one pass. A decoding step of the
     dates model (1,000 sequences, benchmarks/decode.py) went from 8.0-9.1 to 6.4-7.0 ms;
     one step against a cache of S = 1024, B = 8, N = K = 8, H = 64, from 11.5 to 3.2 ms.
-    (`core.sum_in_one_pass`: on a CPU the sum is taken where the terms are computed.)
+    On a CPU, up to core.ONE_PASS_TERMS keys, the sum is taken as v is read, with the
+    weights' own (`core.sums_in_one_pass`): each row is divided by the sum of the same
+    weights in the same order (1 for a row that sees nothing).
     """
     acc = _logits_dtype(v.dtype)
     if cols is not None and weights.shape[0] == 1:
         # [S, V]
-        terms = jnp.where(cols[:, None], weights.astype(acc).T * v.astype(acc), 0)
-        out = (core.sum_in_one_pass(terms, axis=0)[None] if _in_one_pass(v.shape[0])
-               else jnp.sum(terms, axis=0, keepdims=True))
+        spread = jnp.broadcast_to(weights.astype(acc).T, v.shape)
+        terms = jnp.where(cols[:, None], spread * v.astype(acc), 0)
+        if _in_one_pass(v.shape[0]):
+            out, total = core.sums_in_one_pass((terms, spread), axis=0)
+            return (out / jnp.where(total > 0, total, 1))[None].astype(v.dtype)
+        out = jnp.sum(terms, axis=0, keepdims=True)
     else:
         if cols is not None:
             v = jnp.where(cols[:, None], v, 0)

@@ -248,6 +248,14 @@ def test_decoding_loops_call_no_host_so_jax_can_cache_their_programs(rng):
         primitives = {eqn.primitive.name for eqn, _ in _equations(jaxpr.jaxpr, "while")}
         assert primitives & {"while", "scan"}, name    # the loop was looked into
         assert "debug_callback" not in primitives, name
+    # the starting cache traced alone, as a server's loop that jits it does: its decoder
+    # pass over one token (whose own cache is dropped) checks nothing either
+    model = model.clone(deterministic=True)
+    memory = model.apply({"params": params}, src, lengths, method=nn.Transformer.encode)
+    start = jax.make_jaxpr(lambda p, m, n: decoding._start_cache(model, p, m, n, max_len=T))(
+        params, memory, lengths)
+    primitives = {eqn.primitive.name for eqn, _ in _equations(start.jaxpr, "cond")}
+    assert {"dot_general", "debug_callback"} & primitives == {"dot_general"}
     # the check is back for a step the caller drives (sized_for_every_append ended)
     module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True)
     x = _x(rng, B, 4, D)

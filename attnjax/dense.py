@@ -138,32 +138,31 @@ def _plain(q, k, v, bias, visible, rows, cols):
     # The value alone (no derivative taken) divides by each row's sum after the
     # product, over [T, V] rather than [T, S]: one pass over the logits fewer, as
     # FlashAttention's forward does.
-    acc = _logits_dtype(q.dtype)
-    if q.shape[0] == 1 and _in_one_pass(q.shape[1]):
-        # One query (a decoding step): each logit a sum over H, taken as k is read. XLA's
-        # CPU backend runs the product over 1 x S per head as many small ones, and reads
-        # a cache in flax's [S, K, H] layout through a transposed copy: for the dates
-        # model's 4,000 heads of H = 16, 2.4x as long.
-        (logits,) = core.sums_in_one_pass((q.astype(acc) * k.astype(acc),), axis=-1)
-        logits = logits[None]
-        logits = logits if bias is None else logits + bias.astype(acc)
-    else:
-        logits = _logits(q, k, bias)
-    unnormalised, total, lse = core.exp_and_total(logits, visible)
+    unnormalised, total, lse = core.exp_and_total(_logits(q, k, bias, one_pass=True),
+                                                  visible)
     return _weights_times_values(unnormalised, v, cols, total), lse
 
 
 def _in_one_pass(terms: int) -> bool:
     """Whether one query's sum of `terms` terms is taken as they are computed
-    (`core.sum_in_one_pass`): on a CPU, up to core.ONE_PASS_TERMS. Longer sums XLA
+    (`core.sums_in_one_pass`): on a CPU, up to core.ONE_PASS_TERMS. Longer sums XLA
     splits anyway; other backends fuse a plain sum with its terms themselves."""
     return jax.default_backend() == "cpu" and terms <= core.ONE_PASS_TERMS
 
 
-def _logits(q, k, bias):
-    """q·kᵀ + bias `[T, S]` in float32 (float64 for float64 inputs)."""
+def _logits(q, k, bias, *, one_pass: bool = False):
+    """q·kᵀ + bias `[T, S]` in float32 (float64 for float64 inputs). With one_pass, for
+    the value alone (no derivative), one query's logits are summed as k is read."""
     acc = _logits_dtype(q.dtype)
-    logits = core.contract_last(q, k, acc)
+    if one_pass and q.shape[0] == 1 and _in_one_pass(q.shape[1]):
+        # A decoding step: each logit a sum over H. XLA's CPU backend runs the product
+        # over 1 x S per head as many small ones, and reads a cache in flax's [S, K, H]
+        # layout through a transposed copy: for the dates model's 4,000 heads of H = 16,
+        # 2.4x as long.
+        (logits,) = core.sums_in_one_pass((q.astype(acc) * k.astype(acc),), axis=-1)
+        logits = logits[None]
+    else:
+        logits = core.contract_last(q, k, acc)
     return logits if bias is None else logits + bias.astype(acc)
 
 

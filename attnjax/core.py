@@ -174,9 +174,19 @@ def sums_in_one_pass(xs: tuple[Array, ...], axis: int) -> tuple[Array, ...]:
     """
     zero, dims = jnp.zeros((), xs[0].dtype), (axis % xs[0].ndim,)
     if len(xs) > 1:
-        return tuple(lax.reduce(tuple(xs), (zero,) * len(xs),
-                                lambda a, b: tuple(x + y for x, y in zip(a, b)), dims))
-    return (lax.reduce(xs[0], zero, lambda a, b: a - (-b), dims),)
+        return tuple(lax.reduce(tuple(xs), (zero,) * len(xs), _add_each, dims))
+    return (lax.reduce(xs[0], zero, _add_as_difference, dims),)
+
+
+# The reductions' computations, defined once: jax caches a reduction's traced
+# computation by the function (a new lambda at each call compiled the op afresh, ~30 ms,
+# at each eager call).
+def _add_each(a, b):
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def _add_as_difference(a, b):
+    return a - (-b)
 
 
 def _check_core(q, k, v, mask, bias, scale, score_fn) -> None:

@@ -146,3 +146,23 @@ def test_scale_with_score_fn_is_rejected(rng):
     q, k, v = _qkv(rng)
     with pytest.raises(ValueError, match="score_fn"):
         attnjax.attention(q, k, v, scale=0.5, score_fn=attnjax.dot_score)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_sums_in_one_pass_are_sums_and_trace_their_computation_once(count):
+    """core.sums_in_one_pass gives jnp.sum of each array (over a middle axis too, at 7
+    and 40 terms), as one reduction whose traced computation is the same object from
+    call to call: jax caches an op by its parameters, and a computation traced afresh at
+    each call compiled the reduction again at each eager call (~30 ms)."""
+    generator = draws.host(31)
+    for shape, axis in (((3, 7, 5), -1), ((4, 40, 6), 1)):
+        xs = tuple(draws.normal(generator, shape) for _ in range(count))
+        sums = attnjax.core.sums_in_one_pass(xs, axis)
+        assert len(sums) == count
+        for got, x in zip(sums, xs):
+            chex.assert_trees_all_close(got, jnp.sum(x, axis), rtol=1e-5, atol=1e-5)
+    reductions = [[eqn for eqn in jax.make_jaxpr(
+        lambda *a: attnjax.core.sums_in_one_pass(a, -1))(*xs).jaxpr.eqns
+        if eqn.primitive.name == "reduce"] for _ in range(2)]
+    assert [len(found) for found in reductions] == [1, 1]
+    assert reductions[0][0].params["jaxpr"] is reductions[1][0].params["jaxpr"]

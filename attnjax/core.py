@@ -150,16 +150,17 @@ def _contract_last_jvp(out_dtype, primals, tangents):
     return contract_last(a, b, out_dtype), tangent
 
 
-# XLA's CPU backend sums up to this many terms in the loop that computes them; a longer
-# reduction it splits into windows of this size (its TreeReductionRewriter), writing the
-# terms to memory first whatever the form of the sum.
+# XLA's CPU backend sums up to this many terms of one array in the loop that computes
+# them; a longer reduction of one array it splits into windows of this size (its
+# TreeReductionRewriter), writing the terms to memory first. attnjax keeps its one-pass
+# sums within it, of several arrays too (their sequential sums stay short).
 ONE_PASS_TERMS = 32
 
 
 def sums_in_one_pass(xs: tuple[Array, ...], axis: int) -> tuple[Array, ...]:
     """`jnp.sum(x, axis)` of each of the same-shaped xs, as one reduction that XLA's CPU
-    backend computes in the loop producing the xs when the axis holds at most
-    ONE_PASS_TERMS.
+    backend computes in the loop producing the xs (of one array, when the axis holds at
+    most ONE_PASS_TERMS).
 
     That backend hands an add-reduction to its YNNPACK fusion, which writes the
     reduction's operand to memory first: for one query against a cache, the products of

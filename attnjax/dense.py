@@ -191,8 +191,8 @@ def _weights_times_values(weights, v, cols, total):
         spread = jnp.broadcast_to(weights.astype(acc).T, v.shape)
         terms = jnp.where(cols[:, None], spread * v.astype(acc), 0)
         if _in_one_pass(v.shape[0]):
-            out, total = core.sums_in_one_pass((terms, spread), axis=0)
-            return (out / jnp.where(total > 0, total, 1))[None].astype(v.dtype)
+            out, summed = core.sums_in_one_pass((terms, spread), axis=0)
+            return (out / jnp.where(summed > 0, summed, 1))[None].astype(v.dtype)
         out = jnp.sum(terms, axis=0, keepdims=True)
     else:
         if cols is not None:

@@ -245,7 +245,12 @@ def _equations(jaxpr):
 
 
 def _dots(fn, *args) -> int:
-    return jax.jit(fn).lower(*args).as_text().count("dot_general")
+    return _count("dot_general", fn, *args)
+
+
+def _count(operation: str, fn, *args) -> int:
+    """How many times `fn`'s program names the StableHLO `operation`."""
+    return jax.jit(fn).lower(*args).as_text().count(f"stablehlo.{operation} ")
 
 
 def test_a_batch_of_small_heads_differentiates_in_two_halves_with_the_same_numbers(
@@ -315,11 +320,19 @@ def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
     # heads this small (T·S = 54 logits) run whole
     assert _dots(forward(), q, k, v, bias) == 2
     whole_backward = _dots(backward(), q, k, v, bias)
+    half = [x.astype(jnp.bfloat16) for x in (q, k, v, bias)]
+    whole_half_pads = _count("pad", backward(), *half)
+    whole_half_grads = jax.jit(backward())(*half)
     monkeypatch.setattr(attention_module, "DENSE_PART_MIN_GRID", T * S)
     logits_bytes = b * N * T * S * 4
     monkeypatch.setattr(attention_module, "DENSE_PART_BYTES", logits_bytes // 3)
     # the derivatives in 3 parts; a forward pass alone, faster whole, stays whole
     assert _dots(backward(), q, k, v, bias) == 3 * whole_backward
+    # half-precision gradients of the parts are joined by one concatenation each, not
+    # added up from a padded copy of every part (through float32 at each addition)
+    assert _count("pad", backward(), *half) == whole_half_pads
+    chex.assert_trees_all_close(jax.jit(backward())(*half), whole_half_grads, rtol=2e-2,
+                                atol=2e-2)
     assert _dots(forward(), q, k, v, bias) == 2
     chex.assert_trees_all_close(results(), whole, rtol=1e-6, atol=1e-6)
     # only a CPU runs in parts

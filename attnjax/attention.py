@@ -12,6 +12,7 @@ arithmetic of one block so, inside block loops that run over all heads at once.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import weakref
 
@@ -556,7 +557,8 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
         out, lse, weights = chunked.attend(grouped, key, value, *meta)
     else:
         mapped = lambda size: heads.over_heads(  # noqa: E731
-            dense.attend, (size, kv_heads, g), ("rows", "kv", "kv", "heads", "heads", "heads"),
+            functools.partial(dense.attend, group=g), (size, kv_heads, g),
+            ("rows", "kv", "kv", "heads", "heads", "heads"),
             ("rows", "rows", "heads"))
         out, lse, weights = _in_parts_when_differentiated(
             mapped, b, _dense_parts(b, t, s, n))(grouped, key, value, *meta)

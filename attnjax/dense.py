@@ -8,6 +8,8 @@ everything else, score_mod and sinks included. The batched API (`attnjax.attenti
 vmaps it over heads and batch.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -25,9 +27,10 @@ def attend(
     mask: Mask,
     score: Score,
     options: Options,
+    group: int = 1,
 ) -> tuple[Float[Array, "T V"], Float[Array, " T"], Float[Array, "T S"] | None]:
     """Output `[T, V]`, log-sum-exp `[T]` and, if asked, the weights `[T, S]` (before
-    dropout) of one head."""
+    dropout) of one head, one of the `group` query heads that share k and v."""
     t, s = q.shape[0], k.shape[0]
     at = mask.coords(0, t, 0, s)
     acc = _logits_dtype(q.dtype)
@@ -43,7 +46,7 @@ def attend(
     if (score.align is None and score.mod is None and score.sinks is None
             and options.dropout_rate == 0.0 and not options.return_weights):
         out, lse = _plain(q * jnp.asarray(score.scale, q.dtype), k, v, score.bias,
-                          visible, rows, cols)
+                          visible, rows, cols, group == 1)
         return out, lse, None
     if visible is not None:
         v = jnp.where(cols[:, None], v, 0)
@@ -125,10 +128,11 @@ def _logits_tangent(q, k, d_q, d_k, acc):
             + jnp.einsum("TH,SH->TS", q, d_k, preferred_element_type=acc))
 
 
-@jax.custom_jvp
-def _plain(q, k, v, bias, visible, rows, cols):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
+def _plain(q, k, v, bias, visible, rows, cols, alone):
     """(out `[T, V]`, lse `[T]`) of softmax(q·kᵀ + bias) v over the visible entries, for
-    q already scaled; v's hidden columns (not `cols`) count as zero.
+    q already scaled; v's hidden columns (not `cols`) count as zero. `alone`: no other
+    query head shares k and v.
 
     Its derivative is written so that reverse mode computes FlashAttention's backward
     pass, dS = P ∘ (dP − rowsum(dO ∘ O) + d_lse): a row sum over `[T, V]` where
@@ -138,9 +142,17 @@ def _plain(q, k, v, bias, visible, rows, cols):
     # The value alone (no derivative taken) divides by each row's sum after the
     # product, over [T, V] rather than [T, S]: one pass over the logits fewer, as
     # FlashAttention's forward does.
-    unnormalised, total, lse = core.exp_and_total(_logits(q, k, bias, one_pass=True),
-                                                  visible)
-    return _weights_times_values(unnormalised, v, cols, total), lse
+    # One query sums as it reads k and v: once per query head, where products read them
+    # once for all the heads that share them (grouped-query attention). A group's
+    # query takes the products, unless its keys are few enough that the products are
+    # too small for XLA's CPU dots. Decoding steps with key lengths on a 2-core CPU,
+    # against jax.nn, summed / as products: (B, S, N, K, H) = (16, 256, 8, 2, 64) 0.60x /
+    # 1.10x, (16, 256, 8, 2, 32) 0.40x / 1.16x, (8, 1024, 8, 2, 64) 0.86x / 1.32x;
+    # (1000, 29, 4, 2, 16) 1.46x / 0.97x, so summed.
+    one_query = q.shape[0] == 1 and (alone or k.shape[0] <= core.ONE_PASS_TERMS)
+    unnormalised, total, lse = core.exp_and_total(
+        _logits(q, k, bias, one_pass=one_query), visible)
+    return _weights_times_values(unnormalised, v, cols, total, one_query), lse
 
 
 def _in_one_pass(terms: int) -> bool:
@@ -151,10 +163,10 @@ def _in_one_pass(terms: int) -> bool:
 
 
 def _logits(q, k, bias, *, one_pass: bool = False):
-    """q·kᵀ + bias `[T, S]` in float32 (float64 for float64 inputs). With one_pass, for
-    the value alone (no derivative), one query's logits are summed as k is read."""
+    """q·kᵀ + bias `[T, S]` in float32 (float64 for float64 inputs). With one_pass (one
+    query, the value alone: no derivative), the logits are summed as k is read."""
     acc = _logits_dtype(q.dtype)
-    if one_pass and q.shape[0] == 1 and _in_one_pass(q.shape[1]):
+    if one_pass and _in_one_pass(q.shape[1]):
         # A decoding step: each logit a sum over H. XLA's CPU backend runs the product
         # over 1 x S per head as many small ones, and reads a cache in flax's [S, K, H]
         # layout through a transposed copy: for the dates model's 4,000 heads of H = 16,
@@ -171,14 +183,15 @@ def _plain_forward(q, k, v, bias, visible):
     return (core.mix_values(weights, v), lse), weights
 
 
-def _weights_times_values(weights, v, cols, total):
+def _weights_times_values(weights, v, cols, total, one_query: bool):
     """weights · v / total (weights `[T, S]`, each row's total `[T, 1]`), the value
     where no derivative is taken, with v's hidden columns (not `cols`) selected away.
 
     As XLA's CPU products read v, `[S, V]` as it is (core.mix_values reads vᵀ, for its
-    derivative's sake). For one query (a decoding step) the product is one pass over v,
-    and zeroing the hidden columns first would be two more (a copy of v): the select
-    goes into the sum instead, Σ_s [s seen] w_s v_s, one pass. A decoding step of the
+    derivative's sake). For one_query (a decoding step's query that reads v without
+    other heads: see _plain) the product is one pass over v, and zeroing the hidden
+    columns first would be two more (a copy of v): the select goes into the sum
+    instead, Σ_s [s seen] w_s v_s, one pass. A decoding step of the
     dates model (1,000 sequences, benchmarks/decode.py) went from 8.0-9.1 to 6.4-7.0 ms;
     one step against a cache of S = 1024, B = 8, N = K = 8, H = 64, from 11.5 to 3.2 ms.
     On a CPU, up to core.ONE_PASS_TERMS keys, the sum is taken as v is read, with the
@@ -186,7 +199,7 @@ def _weights_times_values(weights, v, cols, total):
     weights in the same order (1 for a row that sees nothing).
     """
     acc = _logits_dtype(v.dtype)
-    if cols is not None and weights.shape[0] == 1:
+    if cols is not None and one_query:
         # [S, V]
         spread = jnp.broadcast_to(weights.astype(acc).T, v.shape)
         terms = jnp.where(cols[:, None], spread * v.astype(acc), 0)
@@ -202,7 +215,7 @@ def _weights_times_values(weights, v, cols, total):
 
 
 @_plain.defjvp
-def _plain_jvp(primals, tangents):
+def _plain_jvp(alone, primals, tangents):
     q, k, v, bias, visible, rows, cols = primals
     d_q, d_k, d_v, d_bias = tangents[:4]
     if visible is not None:

@@ -189,6 +189,36 @@ def test_a_decoding_step_sums_the_seen_values_in_one_pass():
     chex.assert_trees_all_close(dirty, clean, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("group", [1, 4])
+def test_a_decoding_step_of_a_query_group_reads_v_once_for_the_group(group):
+    """One query against more keys than core.ONE_PASS_TERMS, with key lengths: a head
+    that reads k and v alone sums its weighted values as v is read (no product reads
+    v), while the query heads of a group that share k and v (grouped-query attention)
+    take one product, which reads v once for the group rather than once per head. NaN
+    and inf in hidden values reach no output either way, and the numbers equal the
+    return_weights path's."""
+    b, s, kv_heads, h = 3, attnjax.core.ONE_PASS_TERMS + 7, 2, 7
+    q, k, v = draws.normals(21, (b, 1, kv_heads * group, h), (b, s, kv_heads, h),
+                            (b, s, kv_heads, V))
+    lengths = jnp.array([s, 3, 20])
+    hidden = (jnp.arange(s)[None, :] >= lengths[:, None])[..., None, None]
+    poison = jnp.array([jnp.nan, jnp.inf, -jnp.inf], v.dtype)[:, None, None, None]
+
+    def run(q, k, v, weights=False):
+        out = attnjax.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                            implementation="dense", return_weights=weights)
+        return out[0] if weights else out
+
+    eqns = list(_equations(jax.make_jaxpr(run)(q, k, v).jaxpr))
+    products = [eqn for eqn in eqns if eqn.primitive.name == "dot_general"
+                and any(V in x.aval.shape for x in eqn.invars)]
+    assert len(products) == (0 if group == 1 else 1)
+    got = jax.jit(run)(q, k, jnp.where(hidden, poison, v))
+    chex.assert_tree_all_finite(got)
+    want = jax.jit(functools.partial(run, weights=True))(q, k, v)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", [(64, 29, 4, 16), (48, 32, 2, 32)])
 def test_a_decoding_step_reads_k_and_v_where_they_lie(shape):
     """One query against a cache in flax's layout `[B, S, K, H]`, on a CPU: each logit is

@@ -170,11 +170,12 @@ def dot_product_attention(
         `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only, bool arrays
         and the jax.nn keywords only). None picks dense when weights are asked for;
         on a CPU, for T·S ≤ 512² (above 256² only while the batch's logits are at
-        most 8 MiB: B·N·T·S ≤ 2²¹; and not for one query against keys of 16 MiB or
-        more, 2 MiB an example, a decoding step against a long cache); on a GPU or
-        TPU, while the batch's float32 logits are at most 4 GiB (B·N·T·S ≤ 2³⁰); and
-        chunked otherwise. "xla" (jax.nn's name) is the same as None, both kernels
-        being plain XLA.
+        most 8 MiB: B·N·T·S ≤ 2²¹; and not for one query against keys of 32 MiB or
+        more, 4 MiB an example, a decoding step against a long cache), where the
+        value alone (no derivative taken) runs chunked once the logits pass 8 MiB
+        under a mask, 16 MiB without; on a GPU or TPU, while the batch's float32
+        logits are at most 4 GiB (B·N·T·S ≤ 2³⁰); and chunked otherwise. "xla"
+        (jax.nn's name) is the same as None, both kernels being plain XLA.
       block_sizes: `(block_q, block_k)` for the chunked implementation; chosen per
         shape when None. Lengths need not be multiples of them.
       alignment: `(score_fn, params)`, a learned alignment `score_fn(q [T, Hq],
@@ -238,7 +239,9 @@ def dot_product_attention(
         compute = _per_head
         if _compiles(query, key, value, bound, score, options):
             compute = _compiled_per_head
-        out, lse, weights = compute(name, query, key, value, bound, score, options)
+        value_name = _value_kernel(implementation, name, shape, attention_mask, score, options)
+        out, lse, weights = compute(name, query, key, value, bound, score, options,
+                                    value_name=value_name)
     if shape.unbatched:
         out, lse, weights = (None if x is None else x[0] for x in (out, lse, weights))
     if lse is not None and lse.dtype != key.dtype:
@@ -504,6 +507,28 @@ def _auto_kernel(batch: int, t: int, s: int, num_heads: int, key_bytes: int = 0)
     return "dense" if dense and not long_cache else "chunked"
 
 
+# On a CPU the value alone (no derivative taken: evaluation, inference) of a call that
+# implementation=None runs dense goes to the chunked kernel once the batch's float32
+# logits pass AUTO_DENSE_BYTES under a mask, twice that without one; its derivatives stay
+# dense, faster there. Forward only, 2-core CPU, dense's time over chunked's: causal at
+# (B, T, N, H) = (8, 256, 8, 32), 16 MiB of logits, 2.1-3.2; (16, 256, 4, 64) 2.1, (32,
+# 128, 8, 32) 2.5, (128, 64, 8, 32) 1.1, (8, 256, 8, 64) 1.0-1.2; (4, 256, 8, 32), 8 MiB,
+# 0.85; unmasked at 16 MiB 0.72-0.93 ((128, 64, 8, 32) 1.05), at 32 MiB 1.3-1.7. With
+# derivatives, dense's over chunked's at 16 MiB: 0.64-1.00.
+
+
+def _value_kernel(implementation, name: str, shape: Shape, mask: Mask, score: Score,
+                  options: Options) -> str:
+    """The kernel of the call's value alone, where no derivative is taken."""
+    if (implementation is not None or name != "dense" or jax.default_backend() != "cpu"
+            or score.align is not None or options.dropout_rate > 0.0
+            or options.return_weights):
+        return name
+    logits_bytes = shape.b * shape.n * shape.t * shape.s * 4
+    limit = AUTO_DENSE_BYTES * (1 if not mask.is_everything else 2)
+    return "chunked" if logits_bytes > limit else name
+
+
 def _accelerator_dense_bytes() -> float:
     """The most logits (bytes) implementation=None runs dense on a GPU or TPU: 4 GiB, or
     AUTO_ACCELERATOR_DENSE_SHARE of the device's memory limit where that is less."""
@@ -544,9 +569,11 @@ def _options(shape: Shape, name: str, implementation, dropout_rate, dropout_rng,
 # One kernel, mapped over G, K and B.
 
 
-def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: Options):
+def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: Options,
+              value_name: str | None = None):
     """The kernel `name` for every example and head: out `[B, T, N, V]`, log-sum-exp
-    `[B, T, N]`, weights `[B, N, T, S]` or None."""
+    `[B, T, N]`, weights `[B, N, T, S]` or None. The value alone (no derivative taken)
+    runs on the kernel `value_name` (default: `name`)."""
     b, t, n, h = query.shape
     s, kv_heads = key.shape[1], key.shape[2]
     g = n // kv_heads
@@ -560,8 +587,13 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
             functools.partial(dense.attend, group=g), (size, kv_heads, g),
             ("rows", "kv", "kv", "heads", "heads", "heads"),
             ("rows", "rows", "heads"))
-        out, lse, weights = _in_parts_when_differentiated(
-            mapped, b, _dense_parts(b, t, s, n))(grouped, key, value, *meta)
+        whole, parts = mapped(b), _dense_parts(b, t, s, n)
+        derived = heads.in_parts(mapped, b, parts) if parts > 1 else whole
+        alone = chunked.attend if value_name == "chunked" else whole
+        # functions of the user's (score_mod, from_fn, an alignment) may close over arrays
+        functions = score.mod is not None or score.align is not None or mask.functions()
+        out, lse, weights = _value_and_derivatives(alone, derived, (grouped, key, value, *meta),
+                                                   closures=bool(functions))
     # out [B, T, K, G, V], lse [B, T, K, G], weights [B, K, G, T, S] or None
     return (out.reshape(b, t, n, value.shape[-1]), lse.reshape(b, t, n),
             None if weights is None else weights.reshape(b, n, t, s))
@@ -592,16 +624,34 @@ DENSE_PARTS_MAX = 8
 DENSE_PART_MIN_GRID = 64 * 64
 
 
-def _in_parts_when_differentiated(mapped, batch: int, parts: int):
-    """`mapped(batch)`, whose derivatives run in `parts` parts of the batch: a forward
-    pass alone runs faster whole (see DENSE_PART_BYTES)."""
-    whole = mapped(batch)
-    if parts <= 1:
-        return whole
-    run = jax.custom_jvp(lambda *args: whole(*args))
-    run.defjvp(lambda primals, tangents: jax.jvp(heads.in_parts(mapped, batch, parts),
-                                                 primals, tangents))
-    return run
+def _value_and_derivatives(alone, derived, args: tuple, *, closures: bool):
+    """`alone(*args)`, with the derivatives of `derived(*args)`, the same function
+    computed otherwise: the dense kernel's derivatives in parts of the batch, its value
+    whole (faster so, see DENSE_PART_BYTES) or on the chunked kernel (see _value_kernel).
+
+    With `closures` (the functions may close over arrays: a score_mod's table, a from_fn
+    mask's ids, traced by an enclosing jit or grad) the arrays they close over become
+    arguments of the custom JVP, which could not close over them."""
+    if alone is derived:
+        return alone(*args)
+    alone_consts = derived_consts = ()
+    if closures:
+        alone, alone_consts = jax.closure_convert(alone, *args)
+        derived, derived_consts = jax.closure_convert(derived, *args)
+    given, kept = len(args), len(alone_consts)
+
+    @jax.custom_jvp
+    def run(*xs):
+        return alone(*xs[:given], *xs[given:given + kept])
+
+    @run.defjvp
+    def run_jvp(primals, tangents):
+        # the closed-over arrays come twice, once for each function; derivatives flow
+        # through derived's
+        return jax.jvp(lambda *xs: derived(*xs[:given], *xs[given + kept:]), primals,
+                       tangents)
+
+    return run(*args, *alone_consts, *derived_consts)
 
 
 def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:
@@ -622,7 +672,7 @@ def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:
 # masks) are part of what the program is compiled for: a call whose functions are new
 # (a lambda written in the call) runs operation by operation, as compiling for a
 # function used once would cost more; once the same functions come again, they compile.
-_compiled_per_head = jax.jit(_per_head, static_argnums=0)
+_compiled_per_head = jax.jit(_per_head, static_argnums=0, static_argnames="value_name")
 # The functions of recent calls, held weakly where they allow it (a lambda is kept alive
 # by nothing here, and a new one never matches a dead one).
 _RECENT_FUNCTIONS: collections.OrderedDict = collections.OrderedDict()

@@ -283,6 +283,37 @@ def _count(operation: str, fn, *args) -> int:
     return jax.jit(fn).lower(*args).as_text().count(f"stablehlo.{operation} ")
 
 
+def test_in_parts_a_score_mod_and_a_mask_may_close_over_traced_arrays(monkeypatch):
+    """The batch's parts are a custom JVP, which cannot close over a traced array: the
+    arrays a score_mod or a from_fn mask closes over (a T5 bias table being trained, a
+    mask's segment ids, traced by jit) are handed to it as arguments. The gradients,
+    the table's included, equal the chunked kernel's (before: UnexpectedTracerError)."""
+    b = 5
+    generator = draws.host(6)
+    q, k, v = draws.normals(generator, (b, T, N, H), (b, S, K, H), (b, S, K, V))
+    table = draws.normal(generator, (32, N))    # T5's 32 buckets
+    ids = jax.device_put(np.sort(generator.integers(0, 2, (b, S), np.int32), axis=-1))
+    monkeypatch.setattr(attention_module, "DENSE_PART_MIN_GRID", T * S)
+    monkeypatch.setattr(attention_module, "DENSE_PART_BYTES", b * N * T * S * 4 // 3)
+
+    def loss(implementation):
+        def run(q, k, v, table, ids):
+            mask = attnjax.masks.causal() & attnjax.masks.from_fn(
+                lambda e, n, q_pos, k_pos: ids[e][q_pos] == ids[e][k_pos])
+            out = attnjax.dot_product_attention(
+                q, k, v, mask=mask, score_mod=attnjax.scores.relative_position_bias(table),
+                implementation=implementation)
+            return jnp.sum(out ** 2)
+        return run
+
+    assert _dots(jax.grad(loss("dense")), q, k, v, table, ids) == 3 * _dots(
+        jax.grad(loss("dense")), q[:1], k[:1], v[:1], table, ids[:1])
+    grads = [jax.jit(jax.grad(loss(name), (0, 1, 2, 3)))(q, k, v, table, ids)
+             for name in ("dense", "chunked")]
+    chex.assert_tree_all_finite(grads)
+    chex.assert_trees_all_close(*grads, rtol=1e-5, atol=1e-5)
+
+
 def test_a_batch_of_small_heads_differentiates_in_two_halves_with_the_same_numbers(
         monkeypatch):
     """Heads of fewer than DENSE_PART_MIN_GRID logits run their derivatives in two

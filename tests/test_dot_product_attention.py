@@ -1,6 +1,8 @@
 """Layer 2: batched, multi-head dot_product_attention against references."""
 
 import functools
+import importlib
+import re
 
 import chex
 import jax
@@ -14,6 +16,8 @@ import attnjax
 from attnjax import scores
 from tests import draws, reference
 from tests.checks import lowerings
+
+attention_module = importlib.import_module("attnjax.attention")
 
 B, T, S, N, K, H, V = 2, 5, 7, 6, 3, 4, 11
 
@@ -280,26 +284,67 @@ def test_eager_calls_compile_for_a_score_mod_once_it_comes_again(rng):
 
 @pytest.mark.parametrize("b, t, n, chosen", [
     (32, 64, 4, "dense"),       # a toy task's batch
-    (64, 256, 8, "dense"),      # T·S = 256²: dense whatever the batch
+    (64, 256, 8, "dense"),      # T·S = 256²: dense whatever the batch (its value alone:
+                                # chunked, see the next test)
     (1, 512, 8, "dense"),       # 512², 8 MiB of logits: dense
     (2, 512, 8, "chunked"),     # 512², 16 MiB: chunked
     (1, 320, 32, "chunked"),    # between 256² and 512², 12.5 MiB: chunked
     (1, 640, 1, "chunked"),     # above 512²: chunked whatever the batch
 ])
 def test_implementation_none_picks_by_grid_and_batch(monkeypatch, b, t, n, chosen):
-    """implementation=None traces the same program as the kernel its rule picks (on a
+    """implementation=None traces the derivatives of the kernel its rule picks (on a
     CPU, the rule by the grid T·S and the batch's logits, B·N·T·S float32 values; on a
     GPU, dense up to 4 GiB of logits, so dense for all of these)."""
     q = jax.ShapeDtypeStruct((b, t, n, 8), jnp.float32)
-    program = lambda implementation: str(jax.make_jaxpr(  # noqa: E731
-        lambda q: attnjax.dot_product_attention(q, q, q, is_causal=True,
-                                                implementation=implementation))(q))
+    program = lambda implementation: str(jax.make_jaxpr(jax.grad(  # noqa: E731
+        lambda q: jnp.sum(attnjax.dot_product_attention(q, q, q, is_causal=True,
+                                                        implementation=implementation))))(q))
     other = {"dense": "chunked", "chunked": "dense"}[chosen]
     assert program(None) == program(chosen)
     assert program(None) != program(other)
     # (the programs traced as on a GPU: the dense kernel then runs the batch whole)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert program(None) == program("dense")
+
+
+@pytest.mark.parametrize("b, t, n, causal, value", [
+    (4, 256, 8, True, "dense"),       # 8 MiB of logits
+    (8, 256, 8, True, "chunked"),     # 16 MiB under a mask
+    (8, 256, 8, False, "dense"),      # 16 MiB, no mask
+    (16, 256, 8, False, "chunked"),   # 32 MiB
+    (512, 32, 8, True, "chunked"),    # 16 MiB of 32 × 32 heads: by the batch's logits
+])
+def test_implementation_none_runs_a_large_dense_call_s_value_alone_chunked(
+        monkeypatch, b, t, n, causal, value):
+    """On a CPU, where implementation=None runs dense, the value alone (no derivative
+    taken) of a call whose logits pass AUTO_DENSE_BYTES under a mask, or twice that
+    without one, runs on the chunked kernel (its block loops: a scan over while
+    loops), 2-3x as fast; the derivatives stay dense's (no loop). The numbers are those
+    of the two kernels, small sizes standing in for large ones."""
+    q = jax.ShapeDtypeStruct((b, t, n, 8), jnp.float32)
+    # a new function at each trace: jax reuses a function's trace from before a patch
+    call = lambda: lambda q: attnjax.dot_product_attention(q, q, q, is_causal=causal)  # noqa: E731
+    loops = lambda f: bool(re.search(r"\b(scan|while)\[", str(jax.make_jaxpr(f)(q))))  # noqa: E731
+    assert loops(call()) == (value == "chunked")
+    assert not loops(jax.grad(lambda q: jnp.sum(call()(q))))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not loops(call())
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(attention_module, "AUTO_DENSE_BYTES", 1)
+    q, k, v, g = draws.normals(31, (2, 7, 4, 8), (2, 11, 2, 8), (2, 11, 2, 8), (2, 7, 4, 8))
+    lengths = jnp.array([11, 5])
+
+    def loss(implementation):
+        return lambda q, k, v: jnp.sum(g * attnjax.dot_product_attention(
+            q, k, v, key_value_seq_lengths=lengths, implementation=implementation))
+
+    value, grads = jax.jit(jax.value_and_grad(loss(None), (0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(jax.jit(loss(None))(q, k, v), jax.jit(loss("chunked"))(q, k, v),
+                               rtol=1e-6)
+    np.testing.assert_allclose(value, jax.jit(loss("dense"))(q, k, v), rtol=1e-6)
+    chex.assert_trees_all_close(grads, jax.jit(jax.grad(loss("dense"), (0, 1, 2)))(q, k, v),
+                                rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("b, t, n, chosen", [

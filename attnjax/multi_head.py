@@ -202,7 +202,7 @@ def project(p: Mapping[str, ArrayLike], x: ArrayLike, fan_in_axes: int, *,
     xᵀ · g over a held copy of xᵀ (`_product_read_transposed`)."""
     x = jnp.asarray(x)
     kernel = jnp.asarray(p["kernel"]).astype(x.dtype)
-    if dot_general is lax.dot_general and jax.default_backend() == "cpu":
+    if dot_general is lax.dot_general and _reads_transposed(x):
         y = _product_read_transposed(x, kernel, fan_in_axes, precision)
     else:
         y = _product(x, kernel, fan_in_axes, precision, dot_general)
@@ -226,10 +226,18 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
             and batch == ((), ()) and rhs.ndim == 2 and rhs.shape[0] <= rhs.shape[1]
             and not kwargs
             and preferred_element_type in (None, lhs.dtype) and lhs.dtype == rhs.dtype
-            and jax.default_backend() == "cpu"):
+            and _reads_transposed(lhs)):
         return _product_read_transposed(lhs, rhs, 1, precision)
     return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type, **kwargs)
+
+
+def _reads_transposed(x) -> bool:
+    """Whether a product of x takes `_product_read_transposed`'s kernel gradient: on a
+    CPU, in float32 or float64. In half precision XLA's CPU products run faster in
+    autodiff's own form: one attention layer's bfloat16 training step at (B, T, D, N) =
+    (32, 64, 128, 4), 9.8 -> 6.1 ms, 0.88-0.92x -> 1.16x flax's speed (2-core CPU)."""
+    return jax.default_backend() == "cpu" and jnp.dtype(x.dtype).itemsize >= 4
 
 
 def _product(x, kernel, fan_in_axes: int, precision, dot_general=lax.dot_general):

@@ -144,6 +144,39 @@ def test_kernel_gradients_read_each_input_transposed_once(rng):
     chex.assert_trees_all_close(frozen(x, True), frozen(x, False), rtol=1e-5, atol=1e-5)
 
 
+def test_half_precision_kernel_gradients_take_autodiff_s_form(rng):
+    """In bfloat16 XLA's CPU products run faster in autodiff's own form: the projections
+    and a widening Dense hold no copy of xᵀ behind a barrier (one layer's training step
+    at (32, 64, 128, 4): 9.8 -> 6.1 ms). The gradients are flax's."""
+    generator = draws.host(rng)
+    x, target = draws.normals(generator, (4, 24, D), (4, 24, D))
+    x = x.astype(jnp.bfloat16)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16),
+                          _random_params(jax.random.fold_in(rng, 3)))
+    module = nn.MultiHeadDotProductAttention(num_heads=N)
+
+    def loss(params, x, ours=True):
+        out = (attnjax.multi_head_attention(params, x) if ours else
+               module.apply({"params": params}, x))
+        return jnp.sum((out.astype(jnp.float32) - target) ** 2)
+
+    # a held xᵀ: [fan-in, B·T = 96 rows] behind a barrier
+    held = lambda f, *a: re.findall(r"bf16\[\d+,96\] = optimization_barrier",  # noqa: E731
+                                    str(jax.make_jaxpr(f)(*a)))
+    grad = jax.grad(loss, (0, 1))
+    assert held(grad, params, x) == []
+    ffn = attnjax.nn.FeedForward(d_ff=48)
+    ffn_params = ffn.init(jax.random.fold_in(rng, 4), x)
+    assert held(jax.grad(lambda p: jnp.sum(ffn.apply(p, x).astype(jnp.float32))),
+                ffn_params) == []
+    # (the key bias's gradient is zero up to rounding, a bfloat16 rounding here)
+    ours, theirs = (jax.tree.map(lambda g: g.astype(jnp.float32), grad(params, x, flag))
+                    for flag in (True, False))
+    for tree in (ours, theirs):
+        del tree[0]["key"]["bias"]
+    chex.assert_trees_all_close(ours, theirs, rtol=5e-2, atol=5e-1)
+
+
 def test_dense_layers_kernel_gradient_copies_the_narrower_side(rng):
     """`multi_head.dot_general` in a Dense that widens (the feed-forward's first layer,
     12 -> 48) gives its kernel gradient as xᵀ · g over a copy of x, `[12, rows]`, not of

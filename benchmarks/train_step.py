@@ -1,10 +1,12 @@
 """A training step of multi-head attention: attnjax against flax, on the same machine.
 
     python benchmarks/train_step.py [--repeats 101] [--max-length 4096] [--only-model]
+                                    [--dtype bfloat16]
 
 The step is the loss of one `MultiHeadDotProductAttention` layer (causal self-attention,
 a sum of squares of its output against fresh random targets) and its gradients with
-respect to the parameters and the inputs, under jax.jit, float32, at the shapes
+respect to the parameters and the inputs, under jax.jit, float32 (--dtype: the layers'
+computation dtype, float32 parameters), at the shapes
 (B, T, D, N) where attnjax's users train: the toy tasks' (32, 64, 128, 4), a mid-size
 (8, 512, 256, 8) and a long (1, 4096, 512, 8) sequence. Both modules share one set of
 parameters (attnjax's tree is flax's). Then a whole training step (loss, gradients,
@@ -65,7 +67,7 @@ def _compiled(fn, *args):
     return compiled, compiled.memory_analysis().temp_size_in_bytes, seconds
 
 
-def attention_step(module_cls, shape, causal: bool):
+def attention_step(module_cls, shape, causal: bool, dtype=jnp.float32):
     """The jitted step of one attention layer and its arguments."""
     b, t, d, n = shape
     kx, ky, kp = jax.random.split(jax.random.key(t), 3)
@@ -73,13 +75,13 @@ def attention_step(module_cls, shape, causal: bool):
     target = jax.random.normal(ky, (b, t, d), jnp.float32)
     params = nn.MultiHeadDotProductAttention(num_heads=n).init(kp, x)["params"]
     mask = fnn.make_causal_mask(jnp.ones((b, t)), dtype=jnp.bool_) if causal else None
-    module = module_cls(num_heads=n)
+    module = module_cls(num_heads=n, dtype=dtype)
 
     def loss(params, x):
         out = module.apply({"params": params}, x, mask=mask)
-        return jnp.mean((out - target) ** 2)
+        return jnp.mean((out.astype(jnp.float32) - target) ** 2)
 
-    return jax.value_and_grad(loss, argnums=(0, 1)), (params, x)
+    return jax.value_and_grad(loss, argnums=(0, 1)), (params, x.astype(dtype))
 
 
 def _as_array(mask, positions, b: int, t: int, s: int):
@@ -159,8 +161,11 @@ def main() -> None:
     parser.add_argument("--only-model", action="store_true", help="time the whole copy-model step only")
     parser.add_argument("--max-length", type=int, default=SHAPES[-1][1],
                         help="time only the shapes of at most this T (default: all)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the attention layers' computation dtype (the copy model: float32)")
     args = parser.parse_args()
-    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, float32; "
+    dtype = jnp.dtype(args.dtype)
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, {dtype}; "
           f"median of {args.repeats} interleaved steps ({long_repeats(args.repeats)} at T = 4096)")
     print()
     print("| B, T, D, N | mask | kernel | attnjax ms | flax ms | flax / attnjax | flax / "
@@ -180,10 +185,10 @@ def main() -> None:
             fns, temps, compile_s = {}, {}, {}
             for name, cls in (("attnjax", nn.MultiHeadDotProductAttention),
                               ("flax", fnn.MultiHeadDotProductAttention)):
-                step, step_args = attention_step(cls, shape, causal)
+                step, step_args = attention_step(cls, shape, causal, dtype)
                 fns[name], temps[name], compile_s[name] = _compiled(step, *step_args)
             dense_step = lambda: _compiled(  # noqa: E731
-                attention_step(dense_cls, shape, causal)[0], *step_args)[0]
+                attention_step(dense_cls, shape, causal, dtype)[0], *step_args)[0]
             if peers["dense"]:
                 fns["dense"] = dense_step()
             if peers["whole"]:

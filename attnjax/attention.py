@@ -172,10 +172,11 @@ def dot_product_attention(
         on a CPU, for T·S ≤ 512² (above 256² only while the batch's logits are at
         most 8 MiB: B·N·T·S ≤ 2²¹; and not for one query against keys of 32 MiB or
         more, 4 MiB an example, a decoding step against a long cache), where the
-        value alone (no derivative taken) runs chunked once the logits pass 8 MiB
-        under a mask, 16 MiB without; on a GPU or TPU, while the batch's float32
-        logits are at most 4 GiB (B·N·T·S ≤ 2³⁰); and chunked otherwise. "xla"
-        (jax.nn's name) is the same as None, both kernels being plain XLA.
+        value alone (no derivative taken) of 64 queries or more runs chunked once
+        the logits pass 8 MiB under a mask, 16 MiB without; on a GPU or TPU, while the
+        batch's float32 logits are at most 4 GiB (B·N·T·S ≤ 2³⁰); and chunked
+        otherwise. "xla" (jax.nn's name) is the same as None, both kernels being
+        plain XLA.
       block_sizes: `(block_q, block_k)` for the chunked implementation; chosen per
         shape when None. Lengths need not be multiples of them.
       alignment: `(score_fn, params)`, a learned alignment `score_fn(q [T, Hq],
@@ -508,21 +509,25 @@ def _auto_kernel(batch: int, t: int, s: int, num_heads: int, key_bytes: int = 0)
 
 
 # On a CPU the value alone (no derivative taken: evaluation, inference) of a call that
-# implementation=None runs dense goes to the chunked kernel once the batch's float32
-# logits pass AUTO_DENSE_BYTES under a mask, twice that without one; its derivatives stay
-# dense, faster there. Forward only, 2-core CPU, dense's time over chunked's: causal at
-# (B, T, N, H) = (8, 256, 8, 32), 16 MiB of logits, 2.1-3.2; (16, 256, 4, 64) 2.1, (32,
-# 128, 8, 32) 2.5, (128, 64, 8, 32) 1.1, (8, 256, 8, 64) 1.0-1.2; (4, 256, 8, 32), 8 MiB,
-# 0.85; unmasked at 16 MiB 0.72-0.93 ((128, 64, 8, 32) 1.05), at 32 MiB 1.3-1.7. With
+# implementation=None runs dense, of VALUE_CHUNKED_MIN_T queries or more, goes to the
+# chunked kernel once the batch's float32 logits pass AUTO_DENSE_BYTES under a mask,
+# twice that without one; its derivatives stay dense, faster there. Forward only, 2-core
+# CPU, dense's time over chunked's: causal at (B, T, N, H) = (8, 256, 8, 32), 16 MiB of
+# logits, 2.1-3.2; (16, 256, 4, 64) 2.1, (32, 128, 8, 32) 2.5, (256, 64, 8, 16) 2.8, (128,
+# 64, 8, 32) 1.1, (8, 256, 8, 64) 1.0-1.2; (4, 256, 8, 32), 8 MiB, 0.85; unmasked at 16
+# MiB 0.72-0.93 ((128, 64, 8, 32) 1.05), at 32 MiB 1.3-1.7; with key lengths, (B, T, S,
+# N, H) = (32, 64, 1024, 8, 32) 2.5, but fewer queries make the chunked kernel's blocks
+# thin: (64, 16, 1024, 8, 64) 0.65, a decoding step (512, 1, 1024, 8, 64) 0.36. With
 # derivatives, dense's over chunked's at 16 MiB: 0.64-1.00.
+VALUE_CHUNKED_MIN_T = 64
 
 
 def _value_kernel(implementation, name: str, shape: Shape, mask: Mask, score: Score,
                   options: Options) -> str:
     """The kernel of the call's value alone, where no derivative is taken."""
     if (implementation is not None or name != "dense" or jax.default_backend() != "cpu"
-            or score.align is not None or options.dropout_rate > 0.0
-            or options.return_weights):
+            or shape.t < VALUE_CHUNKED_MIN_T or score.align is not None
+            or options.dropout_rate > 0.0 or options.return_weights):
         return name
     logits_bytes = shape.b * shape.n * shape.t * shape.s * 4
     limit = AUTO_DENSE_BYTES * (1 if not mask.is_everything else 2)

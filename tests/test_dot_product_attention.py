@@ -312,15 +312,16 @@ def test_implementation_none_picks_by_grid_and_batch(monkeypatch, b, t, n, chose
     (8, 256, 8, True, "chunked"),     # 16 MiB under a mask
     (8, 256, 8, False, "dense"),      # 16 MiB, no mask
     (16, 256, 8, False, "chunked"),   # 32 MiB
-    (512, 32, 8, True, "chunked"),    # 16 MiB of 32 × 32 heads: by the batch's logits
+    (256, 64, 8, True, "chunked"),    # 32 MiB of 64 × 64 heads: by the batch's logits
+    (2048, 16, 8, True, "dense"),     # 16 MiB, but 16 queries: thin blocks
 ])
 def test_implementation_none_runs_a_large_dense_call_s_value_alone_chunked(
         monkeypatch, b, t, n, causal, value):
     """On a CPU, where implementation=None runs dense, the value alone (no derivative
-    taken) of a call whose logits pass AUTO_DENSE_BYTES under a mask, or twice that
-    without one, runs on the chunked kernel (its block loops: a scan over while
-    loops), 2-3x as fast; the derivatives stay dense's (no loop). The numbers are those
-    of the two kernels, small sizes standing in for large ones."""
+    taken) of a call of 64 queries or more whose logits pass AUTO_DENSE_BYTES under a
+    mask, or twice that without one, runs on the chunked kernel (its block loops: a scan
+    over while loops), 2-3x as fast; the derivatives stay dense's (no loop). The numbers
+    are those of the two kernels, small sizes standing in for large ones."""
     q = jax.ShapeDtypeStruct((b, t, n, 8), jnp.float32)
     # a new function at each trace: jax reuses a function's trace from before a patch
     call = lambda: lambda q: attnjax.dot_product_attention(q, q, q, is_causal=causal)  # noqa: E731
@@ -332,6 +333,7 @@ def test_implementation_none_runs_a_large_dense_call_s_value_alone_chunked(
 
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(attention_module, "AUTO_DENSE_BYTES", 1)
+    monkeypatch.setattr(attention_module, "VALUE_CHUNKED_MIN_T", 1)
     q, k, v, g = draws.normals(31, (2, 7, 4, 8), (2, 11, 2, 8), (2, 11, 2, 8), (2, 7, 4, 8))
     lengths = jnp.array([11, 5])
 

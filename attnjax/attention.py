@@ -494,11 +494,22 @@ def _select_implementation(implementation, return_weights: bool, shape: Shape,
     return name
 
 
+def _logits_bytes(batch: int, t: int, s: int, num_heads: int) -> int:
+    """The bytes of a call's logits in float32, B·N·T·S·4: what the kernel rules weigh."""
+    return batch * num_heads * t * s * 4
+
+
+def _user_functions(mask: Mask, score: Score) -> tuple:
+    """The user's functions a call carries (score_mod, an alignment, from_fn masks):
+    compiled into its program, and free to close over arrays."""
+    return tuple(f for f in (score.mod, score.align, *mask.functions()) if f is not None)
+
+
 def _auto_kernel(batch: int, t: int, s: int, num_heads: int, key_bytes: int = 0) -> str:
     """The kernel implementation=None runs where either can (see AUTO_CHUNKED_ABOVE and
     AUTO_ACCELERATOR_DENSE_BYTES); key_bytes: one example's keys, S·K·H·itemsize."""
     grid = t * s
-    logits_bytes = batch * num_heads * grid * 4
+    logits_bytes = _logits_bytes(batch, t, s, num_heads)
     if jax.default_backend() != "cpu":
         return "dense" if logits_bytes <= _accelerator_dense_bytes() else "chunked"
     dense = grid <= AUTO_CHUNKED_ABOVE and (
@@ -529,7 +540,7 @@ def _value_kernel(implementation, name: str, shape: Shape, mask: Mask, score: Sc
             or shape.t < VALUE_CHUNKED_MIN_T or score.align is not None
             or options.dropout_rate > 0.0 or options.return_weights):
         return name
-    logits_bytes = shape.b * shape.n * shape.t * shape.s * 4
+    logits_bytes = _logits_bytes(shape.b, shape.t, shape.s, shape.n)
     limit = AUTO_DENSE_BYTES * (1 if not mask.is_everything else 2)
     return "chunked" if logits_bytes > limit else name
 
@@ -595,10 +606,9 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
         whole, parts = mapped(b), _dense_parts(b, t, s, n)
         derived = heads.in_parts(mapped, b, parts) if parts > 1 else whole
         alone = chunked.attend if value_name == "chunked" else whole
-        # functions of the user's (score_mod, from_fn, an alignment) may close over arrays
-        functions = score.mod is not None or score.align is not None or mask.functions()
-        out, lse, weights = _value_and_derivatives(alone, derived, (grouped, key, value, *meta),
-                                                   closures=bool(functions))
+        out, lse, weights = _value_and_derivatives(
+            alone, derived, (grouped, key, value, *meta),
+            closures=bool(_user_functions(mask, score)))
     # out [B, T, K, G, V], lse [B, T, K, G], weights [B, K, G, T, S] or None
     return (out.reshape(b, t, n, value.shape[-1]), lse.reshape(b, t, n),
             None if weights is None else weights.reshape(b, n, t, s))
@@ -663,7 +673,7 @@ def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:
     """How many parts of the batch the dense kernel runs on (see DENSE_PART_BYTES)."""
     if jax.default_backend() != "cpu":
         return 1
-    logits = batch * num_heads * t * s * 4
+    logits = _logits_bytes(batch, t, s, num_heads)
     if t * s < DENSE_PART_MIN_GRID:
         return 2 if t > 1 and batch > 1 and logits >= DENSE_PART_BYTES // 2 else 1
     return max(1, min(batch, DENSE_PARTS_MAX, logits // DENSE_PART_BYTES))
@@ -697,8 +707,7 @@ def _compiles(query, key, value, mask: Mask, score: Score, options: Options) -> 
     if any(isinstance(x, jax.core.Tracer)
            for x in jax.tree.leaves((query, key, value, mask, score, options))):
         return False
-    functions = tuple(_weak(f) for f in (score.mod, score.align, *mask.functions())
-                      if f is not None)
+    functions = tuple(_weak(f) for f in _user_functions(mask, score))
     if not functions:
         return True
     try:

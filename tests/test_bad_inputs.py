@@ -141,8 +141,9 @@ MISTAKES = [
     # decoding
     ("generate_negative", lambda: _generate(TOKENS, max_new_tokens=-1), ValueError,
      r"max_new_tokens must be an int >= 0; got -1"),
-    ("generate_past_max_len", lambda: _generate(TOKENS, max_new_tokens=5), ValueError,
-     r"prompt length 4 \+ max_new_tokens=5 exceeds the model's max_len=8"),
+    ("generate_past_max_len", lambda: _generate(TOKENS, max_new_tokens=6), ValueError,
+     r"prompt length 4 \+ max_new_tokens=6 - 1 \(the model reads every new token but the "
+     r"last\) exceeds the model's max_len=8"),
     ("generate_token", lambda: _generate([[3, 20]], max_new_tokens=2), ValueError,
      r"prompt must hold token ids in \[0, 13\) \(the vocabulary\); got 20"),
     ("generate_temperature", lambda: _generate(TOKENS, max_new_tokens=2, temperature=-1.0),

@@ -479,6 +479,25 @@ def test_generate_greedy_matches_full_forward_and_sampling_uses_the_rng(rng):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_generate_fills_learned_positions_to_max_len(rng, padding_side):
+    """The model reads the prompt and every new token but the last: with learned
+    positions, P + max_new_tokens - 1 = max_len fits, its tokens those of the full
+    forward over the max_len tokens read."""
+    config = nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2, d_ff=24, max_len=9,
+                                  positional="learned")
+    model = nn.DecoderOnly(config)
+    prompt = _tokens(rng, B, 4, 13)
+    params = _perturbed(_init(model, rng, prompt)["params"], rng, 0.5)
+    lengths = jnp.full((B,), 4, jnp.int32)      # every row whole: one layout either side
+    out = nn.generate(model, params, prompt, lengths, max_new_tokens=6,
+                      padding_side=padding_side)
+    chex.assert_shape(out, (B, 10))
+    logits = jax.jit(lambda tokens: model.apply({"params": params}, tokens,
+                                                deterministic=True))(out[:, :9])
+    np.testing.assert_array_equal(out[:, 4:], jnp.argmax(logits[:, 3:], -1))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(d_model=10, num_heads=4), "d_model must be divisible by num_heads"),
     (dict(num_kv_heads=3), "num_kv_heads must be a positive divisor of num_heads=4"),

@@ -239,9 +239,12 @@ def _records(workdir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
 
 
+# Unpacked, the model has learned positions and the config's least model.max_len (source,
+# separator and target: 13), which evaluation's generate must fit in.
 @pytest.mark.parametrize("pack", [False, True])
 def test_cli_trains_decoder_only(tmp_path, pack):
-    overrides = TINY + (["data.pack=true"] if pack else [])
+    overrides = TINY + (["data.pack=true"] if pack else
+                        ["model.positional=learned", "model.max_len=13"])
     result = subprocess.run(
         [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path / "run"),
          *(arg for o in overrides for arg in ("--set", o))],

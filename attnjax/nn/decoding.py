@@ -197,9 +197,10 @@ def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new
     token and nothing attends to the padding, so each example continues as it would
     alone.
 
-    max_new_tokens is an int >= 0 (P + max_new_tokens at most the model's max_len with
-    learned positions), temperature a finite float >= 0; the prompt's tokens and
-    prompt_lengths (each in [1, P]) are checked when they are known, outside jit.
+    max_new_tokens is an int >= 0 (with learned positions, P + max_new_tokens - 1 at
+    most the model's max_len: the model reads the prompt and every new token but the
+    last), temperature a finite float >= 0; the prompt's tokens and prompt_lengths (each
+    in [1, P]) are checked when they are known, outside jit.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -216,9 +217,10 @@ def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new
     check_tokens(config, "prompt", prompt, config.vocab_size)
     b, p = np.shape(prompt)
     _check_count("max_new_tokens", max_new_tokens, 0)
-    if config.positional == "learned" and p + max_new_tokens > config.max_len:
-        raise ValueError(f"prompt length {p} + max_new_tokens={max_new_tokens} exceeds the "
-                         f"model's max_len={config.max_len} learned positions")
+    if config.positional == "learned" and _tokens_read(p, max_new_tokens) > config.max_len:
+        raise ValueError(f"prompt length {p} + max_new_tokens={max_new_tokens} - 1 (the model "
+                         f"reads every new token but the last) exceeds the model's "
+                         f"max_len={config.max_len} learned positions")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
             math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0; got {temperature!r}")
@@ -241,6 +243,12 @@ def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new
 PADDING_SIDES = ("left", "right")
 
 
+def _tokens_read(prompt_length: int, max_new_tokens: int) -> int:
+    """How many tokens generate's model reads, each into a slot of its cache: the prompt
+    and every new token but the last, which nothing reads back."""
+    return prompt_length + max(max_new_tokens - 1, 0)
+
+
 @jax.jit
 def _roll_rows(x, shift):
     """Row b of `x [B, L]` rolled right by shift[b] (left when negative)."""
@@ -255,14 +263,14 @@ def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tok
     b, p = prompt.shape
     rng = jax.random.key(0) if rng is None else rng
     decoder = model.clone(decode=True, deterministic=True)   # decoding never drops out
-    total = p + max_new_tokens
+    total = _tokens_read(p, max_new_tokens)
     cache = _empty_cache(decoder, jnp.zeros((b, total), jnp.int32))
     # [B]: the cache slot of each example's first token
     start = jnp.zeros((b,), jnp.int32) if prompt_lengths is None else (
         p - jnp.asarray(prompt_lengths, jnp.int32))
-    # [B, P + max_new_tokens]: each slot's position in its example
+    # [B, total]: each slot's position in its example
     positions = jnp.arange(total, dtype=jnp.int32)[None, :] - start[:, None]
-    # [B, 1, 1, P + max_new_tokens]: the slots that hold the example's tokens
+    # [B, 1, 1, total]: the slots that hold the example's tokens
     mask = (positions >= 0)[:, None, None, :]
 
     def pick(logits, key):

@@ -153,6 +153,28 @@ def test_a_saved_config_with_a_key_that_is_not_a_name_is_refused_in_one_line(tmp
         cli._claim_workdir(workdir, config, force_new=False)
 
 
+@pytest.mark.parametrize("entry, make, wrong", [
+    ("checkpoints", lambda p: p.write_text("x"), "a file, not a directory"),
+    ("metrics.jsonl", lambda p: p.mkdir(), "a directory, not a file"),
+    ("checkpoints", lambda p: p.symlink_to(p.parent / "gone"), "a link to nothing"),
+])
+def test_a_workdir_entry_of_the_wrong_kind_is_one_line_before_compiling(
+        tmp_path, capsys, monkeypatch, entry, make, wrong):
+    """(a file named checkpoints, or a directory named metrics.jsonl, failed the run with
+    exit 1 once the model had compiled)"""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    make(workdir / entry)
+    monkeypatch.setattr(training, "make_train_step", lambda *a, **k: pytest.fail("compiled"))
+    assert cli.main(["--workdir", str(workdir), *(a for o in TINY for a in ("--set", o))]) == 2
+    _one_line(capsys, f"error: cannot use --workdir {workdir}: {workdir / entry} is {wrong}",
+              "--force-new")
+    assert not (workdir / "config.yaml").exists()
+    # --force-new deletes it, the link to nothing too (glob had not seen it)
+    cli._begin_run(workdir, load_config(ROOT / "configs" / "copy.yaml", TINY), force_new=True)
+    assert sorted(p.name for p in workdir.iterdir() if p.name != cli.LOCK) == ["config.yaml"]
+
+
 def _old_run(workdir: Path, config) -> dict:
     (workdir / "checkpoints" / "5").mkdir(parents=True)
     (workdir / "metrics.jsonl").write_text('{"step": 5}\n')

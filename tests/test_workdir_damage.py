@@ -91,7 +91,8 @@ def test_a_full_disk_while_metrics_are_written_stops_the_run_with_one_line(
 
 
 def test_a_file_where_the_checkpoints_go_is_refused_before_training(tmp_path, float32):
-    """The run a workdir holds keeps its metrics: nothing trains from scratch over them."""
+    """The run a workdir holds keeps its metrics: nothing trains from scratch over them.
+    Refused as the workdir is claimed, a mistake (exit 2), before anything compiles."""
     config = load_config(ROOT / "configs" / "copy.yaml", TINY)
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -99,8 +100,8 @@ def test_a_file_where_the_checkpoints_go_is_refused_before_training(tmp_path, fl
     saved = b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS)
     (workdir / "metrics.jsonl").write_bytes(saved)
     (workdir / "checkpoints").write_text("hi\n")
-    with pytest.raises(cli.RunFailed, match=r"^cannot open the checkpoints of .*: \[Errno 20\] "
-                                            r"Not a directory: '.*checkpoints'$"):
+    with pytest.raises(cli.ConfigError, match=r"^cannot use --workdir .*: .*checkpoints is a "
+                                              r"file, not a directory; use another --workdir"):
         cli.run(config, workdir, mesh=one_device_mesh(), interactive=False)
     assert (workdir / "metrics.jsonl").read_bytes() == saved
     assert (workdir / "checkpoints").read_text() == "hi\n"

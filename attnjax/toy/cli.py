@@ -24,6 +24,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import fnmatch
 import functools
 import gc
 import math
@@ -120,6 +121,33 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _run_entries(workdir: Path) -> list[Path]:
+    """The entries of a run (RUN_FILES) the workdir holds, links to nothing included
+    (which glob leaves out)."""
+    return sorted(p for p in workdir.iterdir()
+                  if any(fnmatch.fnmatchcase(p.name, name) for name in RUN_FILES))
+
+
+# The run's entries that are directories; the others are files.
+RUN_DIRECTORIES = ("checkpoints", DAMAGED)
+
+
+def _check_workdir_entries(workdir: Path) -> None:
+    """Each entry of a run the workdir holds is of its kind (a file or a directory) and
+    not a link to nothing: found before anything compiles, not when the run first writes
+    there (a file named checkpoints failed the run after its compilation)."""
+    for path in _run_entries(workdir):
+        directory = path.name in RUN_DIRECTORIES
+        if path.is_symlink() and not path.exists():
+            wrong = "a link to nothing"
+        elif directory != path.is_dir():
+            wrong = "a directory, not a file" if path.is_dir() else "a file, not a directory"
+        else:
+            continue
+        raise ConfigError(f"cannot use --workdir {workdir}: {path} is {wrong}; use another "
+                          f"--workdir, or --force-new to delete that run and start anew")
+
+
 def _check_workdir_config(workdir: Path, config: Config) -> None:
     """A workdir holds one run, of one config (seed included): continuing it with
     another is an error, but for a larger `steps`, which continues the run (finished
@@ -191,6 +219,7 @@ def _claim_workdir(workdir: Path, config: Config, force_new: bool) -> int | None
         if primary:
             lock = _lock_workdir(workdir)
         if not force_new:
+            _check_workdir_entries(workdir)
             _check_workdir_config(workdir, config)
     except OSError as e:
         if lock is not None:
@@ -212,8 +241,9 @@ def _begin_run(workdir: Path, config: Config, force_new: bool) -> None:
         return
     try:
         if force_new:
-            for path in [p for name in RUN_FILES for p in workdir.glob(name)]:
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            for path in _run_entries(workdir):
+                is_dir = path.is_dir() and not path.is_symlink()
+                shutil.rmtree(path) if is_dir else path.unlink(missing_ok=True)
         _write_atomically(workdir / "config.yaml", dump_config(config))
     except OSError as e:
         raise ConfigError(f"cannot use --workdir {workdir}: {e}") from None

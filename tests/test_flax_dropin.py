@@ -8,6 +8,7 @@ LayerNorms, an attention_fn)."""
 import contextlib
 import subprocess
 import sys
+import warnings
 
 import chex
 import flax.linen as flax_nn
@@ -157,6 +158,34 @@ def test_auto_names_and_initial_parameters_are_flax_s(rng, name):
     out = got["params"][f"{name}_0"]["out"]
     np.testing.assert_array_equal(out["bias"], np.full((F,), 0.25, np.float32))
     assert issubclass(getattr(nn, name), nn.MultiHeadDotProductAttention)
+
+
+def test_self_attention_is_flax_s_deprecated_class(rng):
+    """flax's SelfAttention swaps for attnjax's: the same auto-name and parameters, a
+    mask given second as flax takes it, flax's DeprecationWarning, flax's outputs."""
+    fields = dict(num_heads=N, qkv_features=QKV, out_features=F)
+
+    class Parent(flax_nn.Module):
+        attention: type
+
+        @flax_nn.compact
+        def __call__(self, x, mask):
+            return self.attention(**fields)(x, mask)
+
+    x = _x(jax.random.fold_in(rng, 1), B1, T, D)
+    mask = jax.random.bernoulli(jax.random.fold_in(rng, 2), 0.7, (B1, 1, T, T))
+    with pytest.warns(DeprecationWarning, match="SelfAttention will be deprecated"):
+        expected = _flax_init(Parent(flax_nn.SelfAttention), rng, x, mask)
+    with pytest.warns(DeprecationWarning, match="SelfAttention will be deprecated"):
+        got = _jit(Parent(nn.SelfAttention).init, rng, x, mask)
+    assert list(got["params"]) == ["SelfAttention_0"]
+    chex.assert_trees_all_equal(got, expected)
+    params = {"params": _perturbed(got["params"], rng)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        np.testing.assert_allclose(_jit(Parent(nn.SelfAttention).apply, params, x, mask),
+                                   _flax_apply(Parent(flax_nn.SelfAttention), params, x, mask),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_boxed_initialisers_keep_their_partitioning_as_in_flax(rng):

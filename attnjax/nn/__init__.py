@@ -1,7 +1,7 @@
 """Flax linen modules on attnjax's functions (layer 5), and KV-cache decoding.
 
-  attention   MultiHeadDotProductAttention (and MultiHeadAttention): a drop-in for
-              flax's, with its fields, parameters, cache and auto-names
+  attention   MultiHeadDotProductAttention (and MultiHeadAttention, SelfAttention): a
+              drop-in for flax's, with its fields, parameters, cache and auto-names
   layers      FeedForward, PositionalEncoding (sinusoidal or learned)
   models      EncoderBlock, DecoderBlock, Transformer, DecoderOnly, their configs,
               attention_maps; segment ids and positions for packed sequences, a
@@ -12,7 +12,11 @@
 """
 
 from attnjax.kv_cache import sized_for_every_append
-from attnjax.nn.attention import MultiHeadAttention, MultiHeadDotProductAttention
+from attnjax.nn.attention import (
+    MultiHeadAttention,
+    MultiHeadDotProductAttention,
+    SelfAttention,
+)
 from attnjax.nn.decoding import generate, greedy_decode
 from attnjax.nn.layers import FeedForward, PositionalEncoding, sinusoids
 from attnjax.nn.models import (
@@ -34,6 +38,7 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadDotProductAttention",
     "PositionalEncoding",
+    "SelfAttention",
     "Transformer",
     "TransformerConfig",
     "attention_maps",

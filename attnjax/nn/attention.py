@@ -395,6 +395,39 @@ class MultiHeadAttention(MultiHeadDotProductAttention):
     """
 
 
+class SelfAttention(MultiHeadDotProductAttention):
+    """flax's deprecated `SelfAttention`: attention of inputs_q to itself.
+
+    `MultiHeadDotProductAttention` called on inputs_q alone, whose keys and values come
+    from it too; auto-named `SelfAttention_{i}`, with flax's DeprecationWarning at each
+    call. New code calls `MultiHeadDotProductAttention(...)(inputs_q)`.
+
+    Examples:
+        >>> import warnings
+        >>> import jax, jax.numpy as jnp
+        >>> from attnjax import nn
+        >>> layer = nn.SelfAttention(num_heads=4, is_causal=True)
+        >>> x = jnp.ones((2, 6, 32))                                       # [B, T, D]
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     layer.apply(layer.init(jax.random.key(0), x), x).shape
+        (2, 6, 32)
+    """
+
+    @nn.compact
+    def __call__(self, inputs_q, mask=None, deterministic=None,  # type: ignore[override]
+                 dropout_rng=None, sow_weights=False, **attention_options):
+        """inputs_q `[batch..., T, D]` -> `[batch..., T, F]`; mask and the rest as
+        `MultiHeadDotProductAttention.__call__`'s (flax's order: mask may come second)."""
+        warnings.warn("SelfAttention will be deprecated soon. Use "
+                      "`MultiHeadDotProductAttention.__call__(inputs_q)` instead. See "
+                      "https://github.com/google/flax/discussions/3389 for more information.",
+                      DeprecationWarning, stacklevel=2)
+        return super().__call__(inputs_q, mask=mask, deterministic=deterministic,
+                                dropout_rng=dropout_rng, sow_weights=sow_weights,
+                                **attention_options)
+
+
 def _inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
     """The three inputs by flax's rules for the key and value inputs, their shapes
     checked."""

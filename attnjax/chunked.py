@@ -384,9 +384,11 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
 
 
 def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: bool,
-                   with_ds: bool):
+                   with_ds: bool, upcast: bool = False):
     """One head's gradient contributions of block (i, j): to its queries, the key and
-    value block, the block's logits (for the bias) and score_mod's closed-over arrays."""
+    value block, the block's logits (for the bias) and score_mod's closed-over arrays.
+    upcast: d_k's and d_v's products take their (half-precision) operands in the
+    accumulator's dtype, the same products (see _upcast_key_value_products)."""
 
     def step(q_i, q_t, do_i, do_t, lse_i, delta_i, k_j, v_j, mask, bias, dropout_key):
         # q_t `[H, bq]` and do_t `[V, bq]` are q_i and do_i transposed (in memory, not
@@ -415,13 +417,14 @@ def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: b
             keep = blocks.keep_scale(i, j)
             p_used, dp = p * keep, dp * keep
         # [V, bk]
-        d_v = jnp.einsum("VT,TS->VS", do_t, p_used.astype(v_j.dtype),
+        wide = (lambda x: x.astype(acc_dtype)) if upcast else (lambda x: x)  # noqa: E731
+        d_v = jnp.einsum("VT,TS->VS", wide(do_t), wide(p_used.astype(v_j.dtype)),
                          preferred_element_type=acc_dtype)
         # [bq, bk]: the gradient of the (modified) logits; zero where masked, as p is.
         ds, d_consts = modify_vjp(p * (dp - delta_i[:, None]))
         ds_in = ds.astype(q_i.dtype)
         # [H, bk]
-        d_k = jnp.einsum("HT,TS->HS", q_t, ds_in, preferred_element_type=acc_dtype)
+        d_k = jnp.einsum("HT,TS->HS", wide(q_t), wide(ds_in), preferred_element_type=acc_dtype)
         d_q = jnp.einsum("TS,SH->TH", ds_in, k_j, preferred_element_type=acc_dtype)
         return d_q, d_k, d_v, ds if with_ds else None, d_consts
 
@@ -465,7 +468,8 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
                 x, rows, plan.block_q, axis=axis)
             grads = heads.over_heads(
                 _backward_step(plan, mod, facts, consts, i, j, masked, near,
-                               d_bias is not None), sizes,
+                               d_bias is not None, _upcast_key_value_products(q.dtype, sizes)),
+                sizes,
                 _BACKWARD_IN, ("heads",) * 5)
             d_q_i, d_k_j, d_v_j, ds, d_block_consts = grads(
                 take(q), take(q_t, 4), take(d_out), take(d_out_t, 4), take(lse), take(delta),
@@ -504,6 +508,17 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
         d_sinks = _sum_to(per_head, sinks.shape)
     d_consts = [d if ok else None for d, ok in zip(d_consts, differentiable)]
     return d_q, d_k, d_v, d_bias, d_sinks, d_consts
+
+
+def _upcast_key_value_products(dtype, sizes: tuple[int, int, int]) -> bool:
+    """Whether the backward pass's products for d_k and d_v take float32 operands: in
+    bfloat16 on a CPU, where B, K and G all exceed 1. Those products sum over the
+    queries apart for each query head of a group, a product with three batch axes, and
+    XLA's CPU runtime has no bfloat16 one with a float32 result (grouped-query training
+    in bfloat16 failed: "Unsupported element type for DotThunk::Execute"). bfloat16
+    values are exact in float32, and their products too: the same products."""
+    return (jax.default_backend() == "cpu" and dtype == jnp.bfloat16
+            and all(n > 1 for n in sizes))
 
 
 def _sum_to(x, shape):

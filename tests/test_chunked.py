@@ -134,6 +134,29 @@ def test_chunked_bfloat16_within_1e_2_of_dense():
         assert relative_error(g, g_dense) <= 1e-2
 
 
+@pytest.mark.parametrize("b, n, k", [(2, 4, 2), (3, 6, 3)])
+def test_chunked_bfloat16_grouped_heads_train(b, n, k):
+    """bfloat16 gradients of grouped-query heads over a batch (B, K and G all > 1), a
+    loss whose cotangent varies: on a CPU, d_k's and d_v's products had three batch axes
+    in bfloat16, which XLA's CPU runtime refused ("Unsupported element type for
+    DotThunk::Execute")."""
+    q, kk, vv, weights = _inputs(11, b, 12, 12, n, k, 8, 8, jnp.bfloat16)
+
+    def loss(q, kk, vv, implementation):
+        out = attnjax.dot_product_attention(q, kk, vv, implementation=implementation)
+        return jnp.sum(out.astype(jnp.float32) ** 2 * weights.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)
+    chunked_grads = grads(q, kk, vv, "chunked")
+    chex.assert_type(chunked_grads, jnp.bfloat16)
+    # the same inputs' gradients in float32; bfloat16 rounds the weights and the logits'
+    # gradient to 8 bits before the products (the dense kernel's bfloat16 gradients:
+    # 0.4-0.8e-2 from these, the chunked kernel's 0.5-1.0e-2)
+    wide = grads(*(x.astype(jnp.float32) for x in (q, kk, vv)), "dense")
+    for g, g_wide in zip(chunked_grads, wide):
+        assert relative_error(g, g_wide) <= 2e-2
+
+
 def test_gradients_float64_check_grads():
     q, k, v, _ = _inputs(2, 1, 6, 9, 2, 1, 3, 4, jnp.float64)
 

@@ -18,12 +18,13 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnjax import _checks, chunked, cudnn, dense, heads, masks
 from attnjax.masks import Mask, Shape
 from attnjax.options import Options
-from attnjax.scores import Score
+from attnjax.scores import Score, _logits_dtype
 
 # name -> can it return the weights?
 _KERNELS = {"dense": True, "chunked": False}
@@ -238,8 +239,9 @@ def dot_product_attention(
         lse = weights = None
     else:
         compute = _per_head
-        if _compiles(query, key, value, bound, score, options):
-            compute = _compiled_per_head
+        computed = _compiles(query, key, value, bound, score, options)
+        if computed is not None:
+            compute = functools.partial(_compiled_per_head, computed)
         value_name = _value_kernel(implementation, name, shape, attention_mask, score, options)
         out, lse, weights = compute(name, query, key, value, bound, score, options,
                                     value_name=value_name)
@@ -651,8 +653,8 @@ def _value_and_derivatives(alone, derived, args: tuple, *, closures: bool):
         return alone(*args)
     alone_consts = derived_consts = ()
     if closures:
-        alone, alone_consts = jax.closure_convert(alone, *args)
-        derived, derived_consts = jax.closure_convert(derived, *args)
+        alone, alone_consts = chunked.closure_convert(alone, *args)
+        derived, derived_consts = chunked.closure_convert(derived, *args)
     given, kept = len(args), len(alone_consts)
 
     @jax.custom_jvp
@@ -686,8 +688,18 @@ def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:
 # program as it is. The functions a call carries (score_mod, an alignment, from_fn
 # masks) are part of what the program is compiled for: a call whose functions are new
 # (a lambda written in the call) runs operation by operation, as compiling for a
-# function used once would cost more; once the same functions come again, they compile.
-_compiled_per_head = jax.jit(_per_head, static_argnums=0, static_argnames="value_name")
+# function used once would cost more; once the same functions come again, they compile,
+# for what they compute at that call (`_as_of`): a function that reads a Python number
+# or an array it closes over, changed since, compiles again, as an eager call reads the
+# state of the moment.
+def _per_head_as_of(computed, *args, **kwargs):
+    """`_per_head(*args, **kwargs)`, compiled apart for each `computed` (see _as_of)."""
+    del computed
+    return _per_head(*args, **kwargs)
+
+
+_compiled_per_head = jax.jit(_per_head_as_of, static_argnums=(0, 1),
+                             static_argnames="value_name")
 # The functions of recent calls, held weakly where they allow it (a lambda is kept alive
 # by nothing here, and a new one never matches a dead one).
 _RECENT_FUNCTIONS: collections.OrderedDict = collections.OrderedDict()
@@ -702,25 +714,53 @@ def _weak(f):
         return f
 
 
-def _compiles(query, key, value, mask: Mask, score: Score, options: Options) -> bool:
-    """Whether this call runs as `_compiled_per_head` (see above)."""
+def _compiles(query, key, value, mask: Mask, score: Score, options: Options):
+    """Whether this call runs as `_compiled_per_head` (see above): None if not, else
+    what its functions compute (`_as_of`; () without functions)."""
     if any(isinstance(x, jax.core.Tracer)
            for x in jax.tree.leaves((query, key, value, mask, score, options))):
-        return False
+        return None
     functions = tuple(_weak(f) for f in _user_functions(mask, score))
     if not functions:
-        return True
+        return ()
     try:
         hash(functions)
     except TypeError:  # a callable object that is unhashable cannot be a static argument
-        return False
+        return None
     with _RECENT_LOCK:
         seen = functions in _RECENT_FUNCTIONS
         _RECENT_FUNCTIONS[functions] = None
         _RECENT_FUNCTIONS.move_to_end(functions)
         if len(_RECENT_FUNCTIONS) > _RECENT_LIMIT:
             _RECENT_FUNCTIONS.popitem(last=False)
-    return seen
+    return _as_of(query, key, mask, score) if seen else None
+
+
+def _as_of(query, key, mask: Mask, score: Score):
+    """What the call's functions compute now, hashable: each one's jaxpr, traced afresh
+    on abstract arguments of its signature (a Python number it reads is a literal
+    there), and the values of the arrays it closes over. None where one cannot be
+    traced so (the call then runs operation by operation)."""
+    index, grid = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    traced = []
+    if score.mod is not None:
+        logits = jax.ShapeDtypeStruct((1, 1), _logits_dtype(query.dtype))
+        traced.append((score.mod, (logits, index, index, grid, grid)))
+    traced += [(fn, (index, index, grid, grid)) for fn in mask.functions()]
+    if score.align is not None:  # per head: q [T, Hq], k [S, Hk], params after [B|1, N|1]
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
+                              score.align_params)
+        head = lambda x: jax.ShapeDtypeStruct((x.shape[1], x.shape[-1]), x.dtype)  # noqa: E731
+        traced.append((lambda q, k, p: score.align(q, k, **p),
+                       (head(query), head(key), params)))
+    try:
+        closed = [jax.make_jaxpr(lambda *args, fn=fn: fn(*args))(*args)
+                  for fn, args in traced]
+    except Exception:  # noqa: BLE001 (any failure here is the kernel's to report)
+        return None
+    return tuple((str(c.jaxpr), tuple((np.asarray(x).dtype.str, np.shape(x),
+                                       np.asarray(x).tobytes()) for x in c.consts))
+                 for c in closed)
 
 
 def map_heads(fn, query, key, value, meta, *, rows_first: tuple[bool, ...]):

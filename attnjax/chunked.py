@@ -594,10 +594,17 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
         example = (jnp.zeros((plan.block_q, plan.block_k), _logits_dtype(q.dtype)),
                    jnp.int32(0), jnp.int32(0), jnp.zeros((plan.block_q, 1), jnp.int32),
                    jnp.zeros((1, plan.block_k), jnp.int32))
-        mod, consts = jax.closure_convert(score.mod, *example)
+        mod, consts = closure_convert(score.mod, *example)
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
     near = _near(plan, facts, given_q, given_k, score.scale, norms)
     return plan, q, k, v, bias, mask, table, mod, list(consts), facts, near
+
+
+def closure_convert(fn, *example_args):
+    """`jax.closure_convert(fn, *example_args)` traced afresh: jax keeps one conversion
+    per function, and a kept one holds what the user's function read when it was first
+    traced (a Python number it closes over), which a later trace must read again."""
+    return jax.closure_convert(lambda *args: fn(*args), *example_args)
 
 
 def _rows_first(x, t: int):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnjax
-from attnjax import scores
+from attnjax import masks, scores
 from tests import draws, reference
 from tests.checks import lowerings
 
@@ -280,6 +280,31 @@ def test_eager_calls_compile_for_a_score_mod_once_it_comes_again(rng):
         q, k, v, scale=0.5 * H ** -0.5), rtol=1e-5, atol=1e-6)
     assert scores.soft_cap(30.0) is scores.soft_cap(30.0) and (
         scores.soft_cap(30.0) is not scores.soft_cap(20.0))
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_the_functions_of_a_call_read_the_state_of_the_moment(rng, implementation):
+    """A score_mod that reads a Python number and a from_fn mask that reads an array it
+    closes over, both changed between calls: each call, eager or under a fresh jit,
+    equals the same call with new functions (compiled programs and jax's closure
+    conversion had kept what the functions read when first traced)."""
+    q, k, v = _qkv(rng, t=11, s=11)
+    gain, near = 1.0, np.array(3, np.int32)
+
+    def mod(s, b, n, i, j):
+        return s + gain * (i - j).astype(s.dtype) / 4
+
+    mask = masks.from_fn(lambda b, n, i, j: jnp.abs(i - j) <= near)
+    for gain, near[...] in [(1.0, 3), (1.0, 3), (-2.0, 3), (-2.0, 1), (0.5, 5)]:
+        now = attnjax.dot_product_attention(
+            q, k, v, implementation=implementation,
+            score_mod=lambda s, b, n, i, j, g=gain: s + g * (i - j).astype(s.dtype) / 4,
+            mask=masks.from_fn(lambda b, n, i, j, w=int(near): jnp.abs(i - j) <= w))
+        call = functools.partial(attnjax.dot_product_attention, implementation=implementation,
+                                 score_mod=mod, mask=mask)
+        np.testing.assert_allclose(call(q, k, v), now, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(jax.jit(lambda *x: call(*x))(q, k, v), now, rtol=1e-6,
+                                   atol=1e-6)
 
 
 @pytest.mark.parametrize("b, t, n, chosen", [

@@ -154,8 +154,14 @@ def check_lengths(name: str, lengths, expected_shape: Sequence[int], layout: str
         )
 
 
+# A window side this wide or wider is unbounded: positions are int32, and a wider size
+# would overflow their arithmetic (or not fit an int32 at all).
+WINDOW_UNBOUNDED = 2**31 - 1
+
+
 def resolve_window(window) -> tuple[int, int] | None:
-    """`window` as (left, right); an int w means (w, w)."""
+    """`window` as (left, right), each at most WINDOW_UNBOUNDED (a wider side is as
+    unbounded); an int w means (w, w)."""
     if window is None:
         return None
     if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
@@ -169,7 +175,7 @@ def resolve_window(window) -> tuple[int, int] | None:
     left, right = int(window[0]), int(window[1])
     if left < 0 or right < 0:
         raise ValueError(f"window sizes must be non-negative; got (left, right) = ({left}, {right})")
-    return left, right
+    return min(left, WINDOW_UNBOUNDED), min(right, WINDOW_UNBOUNDED)
 
 
 def check_dropout(rate, rng) -> float:

@@ -293,7 +293,11 @@ class Causal(Rule):
 
 @_pytree.dataclass(meta=("left", "right"))
 class Window(Rule):
-    """q_pos − left ≤ k_pos ≤ q_pos + right."""
+    """q_pos − left ≤ k_pos ≤ q_pos + right.
+
+    Compared as −left ≤ k_pos − q_pos ≤ right: q_pos ± a side wraps around in int32 for
+    sides near its limit (a window of 2**31 − 1, unbounded, hid keys), the difference of
+    two positions does not (positions less than 2**31 apart)."""
 
     left: int
     right: int
@@ -303,12 +307,13 @@ class Window(Rule):
         return f"window({self.left}, {self.right})"
 
     def visible(self, at):
-        return (at.k_pos >= at.q_pos - self.left) & (at.k_pos <= at.q_pos + self.right)
+        offset = at.k_pos - at.q_pos
+        return (offset >= -self.left) & (offset <= self.right)
 
     def classify(self, blocks):
         (q_lo, q_hi), (k_lo, k_hi) = blocks.q_pos_range, blocks.k_pos_range
-        every = (k_lo >= q_hi - self.left) & (k_hi <= q_lo + self.right)
-        none = (k_hi < q_lo - self.left) | (k_lo > q_hi + self.right)
+        every = (k_lo - q_hi >= -self.left) & (k_hi - q_lo <= self.right)
+        none = (k_hi - q_lo < -self.left) | (k_lo - q_hi > self.right)
         return _classes(every, none)
 
 

@@ -626,6 +626,23 @@ def test_and_or_algebra():
         np.testing.assert_array_equal(grids[2 * k + 1], expected, err_msg=f"equality {k}, right")
 
 
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_windows_at_the_int32_limit_are_unbounded(implementation):
+    """A side of 2**31 - 1 or more sees every key on that side, T > S included (the
+    queries' positions negative): q_pos ± a side had wrapped around in int32 and hidden
+    keys, and 2**31 raised an OverflowError naming no argument."""
+    rs = np.random.RandomState(8)
+    q, k, v = (_normal(rs, shape) for shape in ((2, 9, 2, H), (2, 6, 2, H), (2, 6, 2, V)))
+    blocks = {"block_sizes": (8, 8)} if implementation == "chunked" else {}
+    call = functools.partial(attnjax.dot_product_attention, q, k, v,
+                             implementation=implementation, **blocks)
+    for wide in (2**31 - 1, 2**31, 2**40):
+        np.testing.assert_array_equal(call(window=wide), call())
+        np.testing.assert_array_equal(call(window=(wide, 0)), call(is_causal=True))
+        np.testing.assert_array_equal(call(mask=masks.window(0, wide)),
+                                      call(mask=masks.from_fn(lambda b, n, i, j: j >= i)))
+
+
 def test_keywords_are_the_same_rules():
     """is_causal, window and the lengths keywords build the rules a Mask states."""
     rs = np.random.RandomState(5)

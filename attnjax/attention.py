@@ -436,6 +436,10 @@ def _score(shape: Shape, head_dim: int, bias, scale, score_mod, sinks, alignment
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be callable score_mod(score, b, n, q_pos, k_pos); "
                         f"got {type(score_mod).__name__}")
+    made_for = getattr(score_mod, "num_heads", None)
+    if made_for is not None and made_for != shape.n:
+        raise ValueError(f"score_mod holds values for {made_for} query heads (its slopes "
+                         f"or table, `[..., N]`); got N={shape.n} query heads")
     if sinks is not None:
         sinks = jnp.asarray(sinks)
         _checks.check_floating("sinks", sinks)

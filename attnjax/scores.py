@@ -141,7 +141,9 @@ def additive_score(
 # by a running maximum. One that, on float32 scores no larger than `limit` in magnitude,
 # equals a cheaper function g of the score alone may set `score_mod.near_zero = (limit,
 # g)`: the chunked kernel uses g on every block whose logits (of every head) all lie
-# within ±limit.
+# within ±limit. One that holds a value per query head (alibi's slopes, a relative
+# position bias's table) sets `score_mod.num_heads = N`: a call with other than N query
+# heads is refused (indexing past the last head reads its values).
 
 ScoreMod = Callable[[Array, Array, Array, Array, Array], Array]
 
@@ -262,6 +264,7 @@ def alibi(slopes: Float[ArrayLike, " N"]) -> ScoreMod:
         distance = jnp.abs(q_pos - k_pos).astype(score.dtype)
         return score - slopes[n].astype(score.dtype) * distance
 
+    mod.num_heads = slopes.shape[0]
     return mod
 
 
@@ -331,6 +334,7 @@ def relative_position_bias(table: Float[ArrayLike, "buckets N"], *, num_buckets:
                                           bidirectional=bidirectional)
         return score + table[bucket, n].astype(score.dtype)
 
+    mod.num_heads = table.shape[1]
     return mod
 
 
@@ -348,6 +352,10 @@ def chain(*mods: ScoreMod) -> ScoreMod:
     for i, fn in enumerate(mods):
         if not callable(fn):
             raise TypeError(f"chain's argument {i} must be a score_mod; got {type(fn).__name__}")
+    heads = {getattr(fn, "num_heads") for fn in mods if getattr(fn, "num_heads", None)}
+    if len(heads) > 1:
+        raise ValueError(f"chain's score_mods hold values for different numbers of query "
+                         f"heads: {sorted(heads)}")
 
     def mod(score, b, n, q_pos, k_pos):
         for fn in mods:
@@ -357,6 +365,8 @@ def chain(*mods: ScoreMod) -> ScoreMod:
     # The last modification bounds the chain's values (chain(alibi(m), soft_cap(30))).
     if mods and hasattr(mods[-1], "bounds"):
         mod.bounds = mods[-1].bounds
+    if heads:
+        (mod.num_heads,) = heads
     return mod
 
 

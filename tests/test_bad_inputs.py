@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 import attnjax
-from attnjax import masks, nn
+from attnjax import masks, nn, scores
 from attnjax.parallel import ring
 from tests import draws
 
@@ -138,6 +138,18 @@ MISTAKES = [
      r"tokens has 9 tokens, more than the max_len=8 learned positions"),
     ("learned_positions", lambda: _apply_decoder(TOKENS, positions=jnp.array([[0, 1, 2, 8]])),
      ValueError, r"the positions of tokens must lie in \[0, 8\).*got 8"),
+    # a score_mod made for another number of query heads (it read the last head's values)
+    ("alibi_heads", lambda: dpa(q, k, v, score_mod=scores.alibi(scores.alibi_slopes(4))),
+     ValueError, r"score_mod holds values for 4 query heads .*; got N=6 query heads"),
+    ("relative_bias_heads", lambda: dpa(q, k, v, score_mod=scores.relative_position_bias(
+        _zeros(32, 2))), ValueError, r"score_mod holds values for 2 query heads"),
+    ("chained_heads", lambda: dpa(q, k, v, score_mod=scores.chain(
+        scores.soft_cap(5.0), scores.alibi(scores.alibi_slopes(3)))), ValueError,
+     r"score_mod holds values for 3 query heads .*; got N=6"),
+    ("chain_of_two_head_counts", lambda: scores.chain(
+        scores.alibi(scores.alibi_slopes(6)), scores.relative_position_bias(_zeros(32, 2))),
+     ValueError, r"chain's score_mods hold values for different numbers of query heads: "
+                 r"\[2, 6\]"),
     # decoding
     ("generate_negative", lambda: _generate(TOKENS, max_new_tokens=-1), ValueError,
      r"max_new_tokens must be an int >= 0; got -1"),

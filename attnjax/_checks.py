@@ -4,6 +4,7 @@ Each raises `ValueError` (wrong shape or value) or `TypeError` (wrong dtype or k
 trace time, naming the argument, what was expected and what was given.
 """
 
+import inspect
 import math
 from collections.abc import Sequence
 
@@ -22,6 +23,19 @@ def check_rank(name: str, x, ranks: Sequence[int], layout: str) -> None:
             f"{name} must have rank {' or '.join(map(str, ranks))} ({layout}); "
             f"got shape {shape_str(x.shape)} (rank {x.ndim})"
         )
+
+
+def check_arguments(name: str, fn, signature: str, count: int) -> None:
+    """A TypeError naming fn unless it takes `count` positional arguments (where Python
+    can tell: a callable without a signature to read passes)."""
+    try:
+        inspect.signature(fn).bind(*range(count))
+    except TypeError as e:
+        raise TypeError(f"{name} must take {count} positional arguments, {signature}; "
+                        f"got {getattr(fn, '__name__', type(fn).__name__)}"
+                        f"{inspect.signature(fn)} ({e})") from None
+    except ValueError:   # no signature to read (a builtin)
+        pass
 
 
 def check_floating(name: str, x) -> None:

@@ -325,6 +325,11 @@ def _aligned_positions(shape: Shape, causal_alignment, positions):
 
 
 def _check_inputs(query, key, value, same_head_dim: bool):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        # the dtype given, before jnp.asarray makes int64 int32 (without jax_enable_x64)
+        given = getattr(x, "dtype", None)
+        if given is not None and not jnp.issubdtype(given, jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype; got {given}")
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     if query.ndim == 2:
         raise ValueError(
@@ -436,6 +441,9 @@ def _score(shape: Shape, head_dim: int, bias, scale, score_mod, sinks, alignment
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be callable score_mod(score, b, n, q_pos, k_pos); "
                         f"got {type(score_mod).__name__}")
+    if score_mod is not None:
+        _checks.check_arguments("score_mod", score_mod, "score_mod(score, b, n, q_pos, k_pos)",
+                                5)
     made_for = getattr(score_mod, "num_heads", None)
     if made_for is not None and made_for != shape.n:
         raise ValueError(f"score_mod holds values for {made_for} query heads (its slopes "

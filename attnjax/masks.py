@@ -869,6 +869,7 @@ def from_fn(fn: Callable) -> Mask:
     if not callable(fn):
         raise TypeError(f"from_fn needs a callable fn(b, n, q_pos, k_pos); got "
                         f"{type(fn).__name__}")
+    _checks.check_arguments("from_fn's fn", fn, "fn(b, n, q_pos, k_pos)", 4)
     return Mask(FromFn(fn))
 
 
@@ -877,6 +878,9 @@ def from_fn(fn: Callable) -> Mask:
 
 
 def _grid(mask: Mask, num_queries: int, num_keys: int) -> Bool[Array, "T S"]:
+    for name, count in (("num_queries", num_queries), ("num_keys", num_keys)):
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise ValueError(f"{name} must be a positive int; got {count!r}")
     bound = mask.bind(Shape(1, num_queries, num_keys, 1, unbatched=True))
     head = jax.tree.map(lambda x: x[0, 0], bound)
     return head.visible(head.coords(0, num_queries, 0, num_keys))
@@ -960,4 +964,10 @@ def combine_masks(*masks: Bool[ArrayLike, "..."] | None) -> Bool[Array, "..."] |
     rank = max(m.ndim for m in present)
     # Left-pad ranks explicitly: the project runs with implicit rank promotion off.
     present = [m.reshape((1,) * (rank - m.ndim) + m.shape) for m in present]
+    try:
+        np.broadcast_shapes(*(m.shape for m in present))
+    except ValueError:
+        shapes = ", ".join(_checks.shape_str(m.shape) for m in masks if m is not None)
+        raise ValueError(f"combine_masks needs masks that broadcast together; got shapes "
+                         f"{shapes}") from None
     return functools.reduce(jnp.logical_and, present)

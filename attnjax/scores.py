@@ -158,9 +158,15 @@ def soft_cap(cap: float) -> ScoreMod:
         >>> attnjax.dot_product_attention(q, k, v, score_mod=scores.soft_cap(30.0)).shape
         (1, 6, 2, 8)
     """
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
-            math.isfinite(cap) and cap > 0):
-        raise ValueError(f"soft_cap needs a positive finite cap; got {cap!r}")
+    # a Python, numpy or concrete jax number, compiled into the kernel as a constant
+    number = (isinstance(cap, (int, float, np.integer, np.floating))
+              or isinstance(cap, (np.ndarray, jax.Array)) and np.ndim(cap) == 0
+              and not isinstance(cap, jax.core.Tracer))
+    if isinstance(cap, (bool, np.bool_)) or not number or np.asarray(cap).dtype == bool:
+        raise TypeError(f"soft_cap's cap must be a number (known when the call is traced); "
+                        f"got {type(cap).__name__}")
+    if not (math.isfinite(float(cap)) and float(cap) > 0):
+        raise ValueError(f"soft_cap needs a positive finite cap; got {float(cap)!r}")
     return _soft_cap(float(cap))
 
 

@@ -138,6 +138,23 @@ MISTAKES = [
      r"tokens has 9 tokens, more than the max_len=8 learned positions"),
     ("learned_positions", lambda: _apply_decoder(TOKENS, positions=jnp.array([[0, 1, 2, 8]])),
      ValueError, r"the positions of tokens must lie in \[0, 8\).*got 8"),
+    # the user's functions with the wrong arguments, named before anything is traced
+    ("score_mod_arguments", lambda: dpa(q, k, v, score_mod=lambda s: s,
+                                        implementation="chunked"), TypeError,
+     r"score_mod must take 5 positional arguments, score_mod\(score, b, n, q_pos, k_pos\); "
+     r"got <lambda>\(s\)"),
+    ("from_fn_arguments", lambda: masks.from_fn(lambda q_pos, k_pos: q_pos >= k_pos),
+     TypeError, r"from_fn's fn must take 4 positional arguments, fn\(b, n, q_pos, k_pos\)"),
+    ("soft_cap_string", lambda: scores.soft_cap("30"), TypeError,
+     r"soft_cap's cap must be a number .*; got str"),
+    # dense masks and the inputs' own dtype
+    ("combine_masks_shapes", lambda: masks.combine_masks(np.ones((3, 3), bool),
+                                                         np.ones((4, 4), bool)), ValueError,
+     r"combine_masks needs masks that broadcast together; got shapes \[3, 3\], \[4, 4\]"),
+    ("causal_mask_negative", lambda: masks.causal_mask(-1), ValueError,
+     r"num_queries must be a positive int; got -1"),
+    ("query_int64", lambda: dpa(np.ones((B, T, N, H), np.int64), k, v), TypeError,
+     r"query must have a floating dtype; got int64"),
     # a score_mod made for another number of query heads (it read the last head's values)
     ("alibi_heads", lambda: dpa(q, k, v, score_mod=scores.alibi(scores.alibi_slopes(4))),
      ValueError, r"score_mod holds values for 4 query heads .*; got N=6 query heads"),
@@ -215,6 +232,12 @@ def _apply_decoder_float():
 def test_hostile_input_is_a_named_error(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_soft_cap_takes_a_numpy_or_jax_number():
+    """(a jnp.float32 cap was refused as not positive)"""
+    assert scores.soft_cap(jnp.float32(30.0)) is scores.soft_cap(np.float64(30.0))
+    assert scores.soft_cap(np.int32(30)) is scores.soft_cap(30.0)
 
 
 # --- values that are right, or documented, where they cannot be checked ----------------

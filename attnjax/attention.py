@@ -701,11 +701,12 @@ def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:
 # masks) are part of what the program is compiled for: a call whose functions are new
 # (a lambda written in the call) runs operation by operation, as compiling for a
 # function used once would cost more; once the same functions come again, they compile,
-# for what they compute at that call (`_as_of`): a function that reads a Python number
-# or an array it closes over, changed since, compiles again, as an eager call reads the
-# state of the moment.
+# for what they compute at that call (`functions_as_of`): a function that reads a Python
+# number or an array it closes over, changed since, compiles again, as an eager call
+# reads the state of the moment.
 def _per_head_as_of(computed, *args, **kwargs):
-    """`_per_head(*args, **kwargs)`, compiled apart for each `computed` (see _as_of)."""
+    """`_per_head(*args, **kwargs)`, compiled apart for each `computed` (see
+    functions_as_of)."""
     del computed
     return _per_head(*args, **kwargs)
 
@@ -728,7 +729,7 @@ def _weak(f):
 
 def _compiles(query, key, value, mask: Mask, score: Score, options: Options):
     """Whether this call runs as `_compiled_per_head` (see above): None if not, else
-    what its functions compute (`_as_of`; () without functions)."""
+    what its functions compute (`functions_as_of`; () without functions)."""
     if any(isinstance(x, jax.core.Tracer)
            for x in jax.tree.leaves((query, key, value, mask, score, options))):
         return None
@@ -745,10 +746,10 @@ def _compiles(query, key, value, mask: Mask, score: Score, options: Options):
         _RECENT_FUNCTIONS.move_to_end(functions)
         if len(_RECENT_FUNCTIONS) > _RECENT_LIMIT:
             _RECENT_FUNCTIONS.popitem(last=False)
-    return _as_of(query, key, mask, score) if seen else None
+    return functions_as_of(query, key, mask, score) if seen else None
 
 
-def _as_of(query, key, mask: Mask, score: Score):
+def functions_as_of(query, key, mask: Mask, score: Score):
     """What the call's functions compute now, hashable: each one's jaxpr, traced afresh
     on abstract arguments of its signature (a Python number it reads is a literal
     there), and the values of the arrays it closes over. None where one cannot be

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import Mesh
 
 import attnjax
 from attnjax import masks
@@ -180,6 +181,17 @@ def test_mesh_sizes_that_divide_the_devices():
     with pytest.raises(ValueError, match=r"the mesh {'seq': 3} needs 3 devices; there are 4"):
         mesh_lib.make_mesh({"seq": 3}, jax.devices()[:4])
     assert mesh_lib.parse_mesh("data=2,seq=2") == {"data": 2, "seq": 2}
+    # an axis make_mesh does not have, or a size below 1 (a misspelled axis had been left
+    # out: nothing sharded over it)
+    with pytest.raises(ValueError, match=r"make_mesh's axes are \('data', 'model', 'seq'\); "
+                                         r"got an axis 'sequence'"):
+        mesh_lib.make_mesh({"data": 2, "sequence": 2}, jax.devices()[:4])
+    for size in (0, -2):
+        with pytest.raises(ValueError, match=f"make_mesh's axis sizes must be positive ints; "
+                                             f"got seq={size}"):
+            mesh_lib.make_mesh({"seq": size}, jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"shardings needs a mesh with the axis 'model'"):
+        mesh_lib.shardings({"w": jnp.ones(2)}, Mesh(np.asarray(jax.devices()[:2]), ("data",)))
 
 
 # Tiny models, dropout off (a sharded layout draws other dropout masks), every step logged.

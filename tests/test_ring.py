@@ -262,3 +262,52 @@ def test_ring_self_attention_errors(kwargs, message):
     q = jnp.ones((2, 24, 2, 4), jnp.float32)
     with pytest.raises(ValueError, match=message):
         ring.ring_self_attention(q, q, q, _mesh(), **kwargs)
+
+
+def _grid_mesh():
+    return Mesh(np.asarray(jax.devices()[:P]).reshape(2, 2), ("data", "seq"))
+
+
+@pytest.mark.usefixtures("own_checks_only")
+@pytest.mark.parametrize("shape, kwargs, error, message", [
+    # from_fn reads global example and head indices, which sharding makes local (it had
+    # silently read the local ones)
+    ((2, 8, 2, 4), dict(mask=masks.from_fn(lambda b, n, i, j: (j <= i) | (b == 1)),
+                        batch_axis="data"), ValueError,
+     r"from_fn reads the example and head indices, which are local once the batch or the "
+     r"heads are sharded"),
+    ((1, 8, 2, 4), dict(batch_axis="data"), ValueError,
+     r"batch_axis='data' splits B over its 2 devices, which needs B divisible by 2; got B=1"),
+    ((2, 8, 2, 4), dict(batch_axis="seq"), ValueError,
+     r"axis, batch_axis and head_axis must be different mesh axes"),
+    ((2, 8, 2, 4), dict(scale=jnp.float32(0.3)), TypeError,
+     r"scale must be a Python number; got ArrayImpl"),
+])
+def test_ring_self_attention_sharding_errors(shape, kwargs, error, message):
+    q = jnp.ones(shape, jnp.float32)
+    with pytest.raises(error, match=message):
+        ring.ring_self_attention(q, q, q, _grid_mesh(), **kwargs)
+
+
+def test_ring_self_attention_masks_read_the_state_of_the_moment(rng):
+    """A from_fn mask over a number that changes between eager calls, and over an array
+    traced by the caller's jit and grad, and prefix(a jax number): each equals the dense
+    kernel (the program compiled for the first call had been reused, a traced closure
+    failed inside jax, and a jax number was an unhashable static argument)."""
+    q, k, v, d_out = _inputs(rng, 16, 16, 2, 2, 8, 8)
+    reach = np.array(2, np.int32)
+    mask = masks.from_fn(lambda b, n, i, j: jnp.abs(i - j) <= reach)
+    for reach[...] in (2, 2, 5):
+        _close(ring.ring_self_attention(q, k, v, _mesh(), mask=mask),
+               _dense(mask=masks.from_fn(lambda b, n, i, j, r=int(reach): jnp.abs(i - j) <= r))(
+                   q, k, v))
+    _close(ring.ring_self_attention(q, k, v, _mesh(), mask=masks.causal() | masks.prefix(
+        jnp.int32(4))), _dense(mask=masks.causal() | masks.prefix(4))(q, k, v))
+
+    def loss(attend, q, width):
+        near = masks.from_fn(lambda b, n, i, j: jnp.abs(i - j) <= width)
+        return jnp.sum(attend(q, k, v, mask=near) * d_out)
+
+    ring_grad = jax.jit(jax.grad(functools.partial(
+        loss, functools.partial(ring.ring_self_attention, mesh=_mesh()))))(q, jnp.int32(3))
+    _close(ring_grad, jax.grad(functools.partial(loss, _dense()))(q, jnp.int32(3)))

@@ -62,6 +62,12 @@ def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
     divides their number (in one process: with several, every process takes part)."""
     devices = jax.devices() if devices is None else list(devices)
     shape = {"data": len(devices)} if shape is None else dict(shape)
+    for axis, count in shape.items():
+        if axis not in AXES:
+            raise ValueError(f"make_mesh's axes are {AXES}; got an axis {axis!r} in {shape}")
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise ValueError(f"make_mesh's axis sizes must be positive ints; got {axis}="
+                             f"{count!r}")
     sizes = tuple(shape.get(axis, 1) for axis in AXES)
     size = math.prod(sizes)
     if len(devices) % size or (size < len(devices) and jax.process_count() > 1):
@@ -88,6 +94,9 @@ def shardings(tree, mesh: Mesh):
     A dimension split over "model" must be divisible by the axis size; otherwise a
     ValueError names the parameter.
     """
+    if "model" not in mesh.shape:
+        raise ValueError(f"shardings needs a mesh with the axis 'model' (make_mesh's "
+                         f"{AXES}); got a mesh of axes {tuple(mesh.axis_names)}")
     model = mesh.shape["model"]
 
     def one(path, leaf):

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnjax import _checks, chunked, heads, masks
-from attnjax.attention import map_heads
+from attnjax.attention import functions_as_of, map_heads
 from attnjax.core import MASKED
 from attnjax.masks import SKIP, Grid, Mask, Shape, pad_axis
 from attnjax.scores import Score, _logits_dtype
@@ -529,7 +529,26 @@ def ring_self_attention(
         if given is not None and given not in mesh.shape:
             raise ValueError(f"{name}={given!r} is not an axis of the mesh; its axes are "
                              f"{tuple(mesh.axis_names)}")
+    named = [a for a in (axis, batch_axis, head_axis) if a is not None]
+    if len(set(named)) < len(named):
+        raise ValueError(f"axis, batch_axis and head_axis must be different mesh axes; got "
+                         f"axis={axis!r}, batch_axis={batch_axis!r}, head_axis={head_axis!r}")
+    for name, given, sizes in (("batch_axis", batch_axis, {"B": b}),
+                               ("head_axis", head_axis, {"N": query.shape[2],
+                                                         "K": key.shape[2]})):
+        split = mesh.shape[given] if given is not None else 1
+        for size_name, size in sizes.items():
+            if size % split:
+                raise ValueError(f"{name}={given!r} splits {size_name} over its {split} "
+                                 f"devices, which needs {size_name} divisible by {split}; got "
+                                 f"{size_name}={size}")
+    scale = _checks.resolve_scale(scale, query.shape[-1])
     mask = _array_free(mask)
+    if any(isinstance(part, masks.FromFn) for part in mask.rule.parts()) and (
+            mesh.shape.get(batch_axis, 1) > 1 or mesh.shape.get(head_axis, 1) > 1):
+        raise ValueError("from_fn reads the example and head indices, which are local once "
+                         f"the batch or the heads are sharded; got a mesh {dict(mesh.shape)} "
+                         f"with batch_axis={batch_axis!r}, head_axis={head_axis!r}")
     per_position = {}
     for name, x in (("segment_ids", segment_ids), ("positions", positions)):
         if x is not None:
@@ -544,9 +563,16 @@ def ring_self_attention(
                          f"{chunks} ({'two chunks on each of ' if layout == 'zigzag' else ''}"
                          f"the P={p} devices of mesh axis {axis!r})")
 
-    attend = functools.partial(_sharded, mask=mask, mesh=mesh, axis=axis,
-                               batch_axis=batch_axis, head_axis=head_axis,
-                               is_causal=is_causal, scale=scale, layout=layout)
+    # Called eagerly, one compiled program, compiled for what a from_fn computes now (as
+    # dot_product_attention's); inside a transformation, traced into the caller's.
+    arrays = (query, key, value, per_position, mask)
+    eager = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(arrays))
+    computed = functions_as_of(query, key, mask, Score()) if eager else None
+    static = dict(mesh=mesh, axis=axis, batch_axis=batch_axis, head_axis=head_axis,
+                  is_causal=is_causal, scale=scale, layout=layout)
+    attend = (functools.partial(_compiled, computed, **static) if computed is not None
+              else functools.partial(_sharded, **static))
+    attend = functools.partial(attend, mask=mask)
     if layout == "contiguous":
         return attend(query, key, value, per_position)
     query, key, value = (zigzag(x, p) for x in (query, key, value))
@@ -554,12 +580,9 @@ def ring_self_attention(
     return unzigzag(attend(query, key, value, per_position), p)
 
 
-@functools.partial(jax.jit, static_argnames=("mask", "mesh", "axis", "batch_axis", "head_axis",
-                                             "is_causal", "scale", "layout"))
 def _sharded(query, key, value, per_position, *, mask, mesh, axis, batch_axis, head_axis,
              is_causal, scale, layout):
-    """ring_attention on every shard, as one compiled program (called eagerly, the ring
-    would otherwise run operation by operation on every device)."""
+    """ring_attention on every shard (mask's rules the same on each)."""
 
     def local(query, key, value, per_position):
         local_mask = mask
@@ -576,6 +599,15 @@ def _sharded(query, key, value, per_position, *, mask, mesh, axis, batch_axis, h
     rows = {name: PartitionSpec(batch_axis, axis) for name in per_position}
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, rows),
                          out_specs=spec, check_vma=False)(query, key, value, per_position)
+
+
+# _sharded as one compiled program (called eagerly, the ring would otherwise run operation
+# by operation on every device), for each `computed` (functions_as_of); the mask is an
+# argument, its rules' arrays traced.
+_compiled = jax.jit(lambda computed, *args, **kwargs: _sharded(*args, **kwargs),
+                    static_argnums=0,
+                    static_argnames=("mesh", "axis", "batch_axis", "head_axis", "is_causal",
+                                     "scale", "layout"))
 
 
 def _array_free(mask) -> Mask:

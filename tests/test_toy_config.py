@@ -91,6 +91,15 @@ def test_config_errors_name_the_key(overrides, message):
     assert "\n" not in str(error.value)
 
 
+def test_a_dates_model_too_short_names_the_dates_lengths():
+    """(it named task.max_len, which the dates task does not read)"""
+    with pytest.raises(ConfigError) as error:
+        load_config(CONFIGS / "dates.yaml", ["model.max_len=12"])
+    assert str(error.value) == (
+        "model.max_len=12 must cover the task's longest sequence (29 tokens with bos/eos); "
+        "got the dates task's sources of 29 and targets of 10 symbols")
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config .*missing.yaml"):
         load_config(tmp_path / "missing.yaml")

@@ -16,6 +16,7 @@ import yaml
 
 from attnjax.toy import cli, make_task
 from attnjax.toy import train as training
+from attnjax.toy.checkpoints import Checkpoints
 from attnjax.toy.config import dump_config, load_config
 from attnjax.toy.report import TIMING_KEYS, Progress
 from tests import children
@@ -61,6 +62,24 @@ def test_tiny_run_learns_and_writes_every_output(tmp_path, float32):
     assert steps[-3:] == [40, 50, 60]
     best = summary["best"]["step"]
     assert best in steps   # the best checkpoint is kept besides the latest three
+
+
+def test_the_best_checkpoint_outlives_a_resume(tmp_path):
+    """The best evaluated step is kept beside the latest, also by the process that
+    resumes a run (orbax had written no step's metrics: a new manager knew none and
+    deleted the best as an old step)."""
+    state = {"w": np.random.default_rng(3).standard_normal((3, 2)).astype(np.float32)}
+    first = Checkpoints(tmp_path / "checkpoints", keep=1)
+    for step, exact_match in ((10, 0.5), (20, 0.25), (30, None)):
+        first.save(step, state, {"step": step}, exact_match)
+    first.close()
+    resumed = Checkpoints(tmp_path / "checkpoints", keep=1)   # as a new process
+    assert resumed.restore_latest(state)[0] == 30
+    for step, exact_match in ((40, 0.375), (50, None)):
+        resumed.save(step, state, {"step": step}, exact_match)
+    resumed.close()
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [10, 50]
 
 
 def test_seed_changes_initialisation_and_data(float32):

@@ -18,6 +18,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -119,6 +120,11 @@ def damage(step_dir: Path) -> str | None:
     return None
 
 
+def _exact_match(metrics: dict) -> float:
+    """A step's rank among the checkpoints: its exact match, -inf if not evaluated."""
+    return metrics.get(BEST_METRIC, -math.inf)
+
+
 class Checkpoints:
     """`save(step, state, record, exact_match=None)`, `restore_latest(template, warn)`
     and `latest_intact()`.
@@ -135,7 +141,10 @@ class Checkpoints:
             # only at the first save, after the run had begun
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR),
                                      str(self.directory))
-        best = checkpoint_managers.BestN(get_metric_fn=lambda metrics: metrics[BEST_METRIC], n=1,
+        # The latest `keep` steps and the best evaluated one. A step saved without an
+        # evaluation ranks lowest (its metrics are {}); among equals the newest, which
+        # the latest keep anyway.
+        best = checkpoint_managers.BestN(get_metric_fn=_exact_match, n=1,
                                          keep_checkpoints_without_metrics=False)
         policy = checkpoint_managers.AnyPreservationPolicy(
             [checkpoint_managers.LatestN(n=keep), best])
@@ -143,7 +152,11 @@ class Checkpoints:
             self.directory, item_names=("state", "record"),
             options=ocp.CheckpointManagerOptions(
                 preservation_policy=policy, enable_async_checkpointing=False,
-                cleanup_tmp_directories=True))
+                cleanup_tmp_directories=True,
+                # orbax writes a step's metrics (and reads them back when a later
+                # process resumes) only with a best_fn: without, a resumed run knew no
+                # step's exact match and deleted the best step as an old one
+                best_fn=_exact_match, best_mode="max"))
 
     def _step_dir(self, step: int) -> Path:
         # orbax's default step names: the step number itself
@@ -156,7 +169,7 @@ class Checkpoints:
                 self.manager.save(
                     step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                   record=ocp.args.JsonSave(record)),
-                    metrics=None if exact_match is None else {BEST_METRIC: exact_match},
+                    metrics={} if exact_match is None else {BEST_METRIC: exact_match},
                     force=True)
                 if self.primary:
                     write_manifest(self._step_dir(step))

@@ -178,9 +178,10 @@ class Config:
         else:
             longest, what = max(src_len, tgt_len + 1), "with bos/eos"
         if self.model.max_len < longest:
+            given = (f"the dates task's sources of {src_len} and targets of {tgt_len} symbols"
+                     if self.task.name == "dates" else f"task.max_len={self.task.max_len}")
             raise ConfigError(f"model.max_len={self.model.max_len} must cover the task's longest "
-                              f"sequence ({longest} tokens {what}); got task.max_len="
-                              f"{self.task.max_len}")
+                              f"sequence ({longest} tokens {what}); got {given}")
         if self.data.pack and self.model.kind != "decoder_only":
             raise ConfigError(f"data.pack=true needs model.kind=decoder_only (the encoder–decoder "
                               f"trains on unpacked rows); got model.kind={self.model.kind}")

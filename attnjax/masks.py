@@ -747,6 +747,8 @@ def causal() -> Mask:
 def window(left: int, right: int | None = None) -> Mask:
     """q_pos − left ≤ k_pos ≤ q_pos + right; `window(w)` is `window(w, w)`.
 
+    A side of 2**31 − 1 or more (positions are int32) is unbounded.
+
     Examples:
         >>> import jax.numpy as jnp, attnjax
         >>> from attnjax import masks

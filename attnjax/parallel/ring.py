@@ -497,8 +497,9 @@ def ring_self_attention(
       head_axis: a mesh axis to shard the heads N and K over, or None.
       mask: an `attnjax.Mask` of rules without per-position arrays, used on every
         shard: `causal`, `window`, `chunked_causal`, `prefix(int)`, `from_fn`, and
-        their `&` / `|`. Segment ids and positions go in `segment_ids` / `positions`,
-        which are sharded with the sequence.
+        their `&` / `|` (from_fn reads global example and head indices: not with
+        batch_axis or head_axis sharding them). Segment ids and positions go in
+        `segment_ids` / `positions`, which are sharded with the sequence.
       segment_ids: int `[B, T]`: sequence packing, query i sees key j only when they
         carry the same id.
       positions: int `[B, T]`: the positions the mask's rules read; default 0..T−1.

@@ -141,13 +141,17 @@ def contract_last(a: Float[ArrayLike, "T K"], b: Float[ArrayLike, "S K"],
 def _contract_last_jvp(out_dtype, primals, tangents):
     a, b = primals
     d_a, d_b = tangents
-    # d(a·bᵀ) = d_a·bᵀ + (d_b·aᵀ)ᵀ. Transposed, the barriers hold gᵀ and the product
-    # gᵀ·a [S, K] as they are: XLA would otherwise fold either transpose into the
-    # product and swap its operands back into the slow form.
-    barrier = lax.optimization_barrier
-    tangent = (contract_last(d_a, b, out_dtype)
-               + barrier(contract_last(barrier(d_b), a, out_dtype)).T)
+    # d(a·bᵀ) = d_a·bᵀ + (d_b·aᵀ)ᵀ
+    tangent = contract_last(d_a, b, out_dtype) + contract_last_tangent_in_b(a, d_b, out_dtype)
     return contract_last(a, b, out_dtype), tangent
+
+
+def contract_last_tangent_in_b(a, d_b, out_dtype):
+    """The tangent of `contract_last(a, b)` in b alone, (d_b·aᵀ)ᵀ. Transposed, the
+    barriers hold gᵀ and the product gᵀ·a `[S, K]` as they are: XLA would otherwise fold
+    either transpose into the product and swap its operands back into the slow form."""
+    barrier = lax.optimization_barrier
+    return barrier(contract_last(barrier(d_b), a, out_dtype)).T
 
 
 # XLA's CPU backend sums up to this many terms of one array in the loop that computes

@@ -233,14 +233,19 @@ def _plain_jvp(alone, primals, tangents):
     # + P dv: written with O, its transpose sums dO ∘ O over [T, V], not dP ∘ P.
     weighted = weights * d_logits
     d_lse = jnp.sum(weighted, axis=-1)
-    mix = lambda w, x: core.contract_last(w.astype(v.dtype), x.T, acc)  # noqa: E731
+    # (P ∘ dS) v with v in the accumulator's dtype: transposed, dP = dO vᵀ stays in it. In
+    # half precision, v's dtype there rounded dP (of the weights' bfloat16 copy), which
+    # rowsum(dO ∘ O) then no longer cancels: a row that sees one key had a bias
+    # gradient of −0.029 in bfloat16 (jax's nn_test), where the exact value is 0.
+    weighted_mix = core.contract_last(weighted, v.astype(acc).T, acc)
     # P dv: the barrier form (contract_last's tangent) on large grids and, on a CPU, on
     # small ones; the einsum between them (see _MIX_EINSUM_GRIDS).
     small = _MIX_EINSUM_GRIDS[0] if jax.default_backend() == "cpu" else 0
     if small < weights.size <= _MIX_EINSUM_GRIDS[1]:
-        d_mixed = mix(weighted, v) + jnp.einsum("TS,SV->TV", weights.astype(v.dtype), d_v,
-                                                preferred_element_type=acc)
+        d_mixed = weighted_mix + jnp.einsum("TS,SV->TV", weights.astype(v.dtype), d_v,
+                                            preferred_element_type=acc)
     else:
-        _, d_mixed = jax.jvp(mix, (weights, v), (weighted, d_v))
+        d_mixed = weighted_mix + core.contract_last_tangent_in_b(
+            weights.astype(v.dtype), d_v.T, acc)
     d_out = (d_mixed - d_lse[:, None] * out.astype(acc)).astype(out.dtype)
     return (out, lse), (d_out, d_lse)

@@ -140,6 +140,23 @@ def test_written_derivative_close_to_float64(dtype):
         assert float(jnp.max(jnp.abs(got.astype(jnp.float64) - want))) <= tol * scale
 
 
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_half_precision_bias_gradient_of_a_row_that_sees_one_key_is_zero(implementation):
+    """Causal, the first query sees key 0 alone: its weight is 1 whatever the bias, so
+    the bias gradient there is exactly 0 (jax's own nn_test checks it, in bfloat16).
+    The dense kernel had rounded dP = dO vᵀ to bfloat16, which rowsum(dO ∘ O) did not
+    cancel: −0.029 at (2, 128, 4, 32). As jax's test takes it, eagerly (under one jit,
+    XLA may drop the rounding as excess precision)."""
+    q, k, v, bias, d_out = draws.normals(
+        4, (2, 128, 4, 32), (2, 128, 4, 32), (2, 128, 4, 32), (1, 4, 128, 128),
+        (2, 128, 4, 32), dtype=jnp.bfloat16)
+    _, pullback = jax.vjp(lambda bias: attnjax.dot_product_attention(
+        q, k, v, bias, is_causal=True, implementation=implementation), bias)
+    (d_bias,) = pullback(d_out)
+    # float32's residue of summing the same terms in another order, at most
+    assert float(jnp.max(jnp.abs(d_bias[:, :, 0, 0].astype(jnp.float32)))) <= 1e-5
+
+
 def test_nan_in_hidden_rows_and_columns_reaches_no_gradient():
     q, k, v, _, mask, lse_weights = _inputs(3, jnp.float32, None)
     q_lengths, k_lengths = jnp.array([T, 4, 5]), jnp.array([S, 6, 7])

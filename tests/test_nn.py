@@ -506,8 +506,22 @@ def test_generate_fills_learned_positions_to_max_len(rng, padding_side):
     (dict(num_encoder_layers=0), "num_encoder_layers must be a positive int; got 0"),
     (dict(share_embeddings=True), "share_embeddings needs src_vocab_size == tgt_vocab_size"),
     (dict(activation="swish"), "activation must be one of"),
+    (dict(attention_soft_cap=0.0), "attention_soft_cap: soft_cap needs a positive finite cap"),
 ])
 def test_config_errors(kwargs, message):
+    base = dict(src_vocab_size=11, tgt_vocab_size=13, num_heads=4)
+    with pytest.raises(ValueError, match=message):
+        nn.TransformerConfig(**(base | kwargs))
+
+
+@pytest.mark.usefixtures("own_checks_only")
+@pytest.mark.parametrize("kwargs, message", [
+    # a switch is a bool ("no" had built pre-LN), a count is not
+    (dict(pre_ln="no"), r"TransformerConfig.pre_ln must be a bool \(True or False\); got 'no'"),
+    (dict(attention_sinks=1), r"TransformerConfig.attention_sinks must be a bool"),
+    (dict(num_kv_heads=True), "num_kv_heads must be a positive divisor of num_heads=4; got True"),
+])
+def test_config_types_as_users_without_type_checks_meet_them(kwargs, message):
     base = dict(src_vocab_size=11, tgt_vocab_size=13, num_heads=4)
     with pytest.raises(ValueError, match=message):
         nn.TransformerConfig(**(base | kwargs))

@@ -31,11 +31,15 @@ def _check_config(config) -> None:
                                            or value <= 0):
             raise ValueError(f"{type(config).__name__}.{field.name} must be a positive int; "
                              f"got {value!r}")
+        if field.type in ("bool", bool) and not isinstance(value, bool):
+            raise ValueError(f"{type(config).__name__}.{field.name} must be a bool (True or "
+                             f"False); got {value!r}")
     if config.d_model % config.num_heads:
         raise ValueError(f"d_model must be divisible by num_heads; got d_model={config.d_model}, "
                          f"num_heads={config.num_heads}")
     kv = config.num_kv_heads
-    if kv is not None and (not isinstance(kv, int) or kv <= 0 or config.num_heads % kv):
+    if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0
+                           or config.num_heads % kv):
         raise ValueError(f"num_kv_heads must be a positive divisor of num_heads="
                          f"{config.num_heads}; got {kv!r}")
     for name in ("dropout_rate", "attention_dropout_rate"):
@@ -43,7 +47,10 @@ def _check_config(config) -> None:
         if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
             raise ValueError(f"{name} must lie in [0, 1); got {rate!r}")
     if config.attention_soft_cap is not None:
-        scores.soft_cap(config.attention_soft_cap)  # checks the cap
+        try:
+            scores.soft_cap(config.attention_soft_cap)  # checks the cap
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"attention_soft_cap: {e}") from None
     for name, allowed in (("positional", POSITIONAL), ("activation", ACTIVATIONS),
                           ("attention_score", SCORES),
                           ("dtype", DTYPES), ("implementation", IMPLEMENTATIONS)):

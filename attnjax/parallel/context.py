@@ -116,11 +116,7 @@ def ring_engine(mesh: Mesh, *, axis: str = AXIS, batch_axis: str | None = "data"
         q_pos = _rows(shape, "query positions", positions[0], t)
         k_pos = _rows(shape, "key positions", positions[1], s)
         rule = _shardable(_mask(mask, is_causal).rule, shape, order_q, order_k)
-        if any(isinstance(part, masks.FromFn) for part in rule.parts()) and (
-                mesh.shape.get(batch_axis, 1) > 1 or mesh.shape.get(head_axis, 1) > 1):
-            raise ValueError("from_fn reads the example and head indices, which are local "
-                             "once the batch or the heads are sharded; got a mesh "
-                             f"{dict(mesh.shape)}")
+        ring.check_from_fn_unsharded(rule, mesh, batch_axis, head_axis)
         rule = jax.tree.map(jnp.asarray, rule)
         # [B, L] arrays follow the sequence, [B] arrays the batch
         rule_specs = jax.tree.map(lambda x: PartitionSpec(*(batch_axis, axis)[:x.ndim]), rule)

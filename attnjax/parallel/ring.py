@@ -545,11 +545,7 @@ def ring_self_attention(
                                  f"{size_name}={size}")
     scale = _checks.resolve_scale(scale, query.shape[-1])
     mask = _array_free(mask)
-    if any(isinstance(part, masks.FromFn) for part in mask.rule.parts()) and (
-            mesh.shape.get(batch_axis, 1) > 1 or mesh.shape.get(head_axis, 1) > 1):
-        raise ValueError("from_fn reads the example and head indices, which are local once "
-                         f"the batch or the heads are sharded; got a mesh {dict(mesh.shape)} "
-                         f"with batch_axis={batch_axis!r}, head_axis={head_axis!r}")
+    check_from_fn_unsharded(mask.rule, mesh, batch_axis, head_axis)
     per_position = {}
     for name, x in (("segment_ids", segment_ids), ("positions", positions)):
         if x is not None:
@@ -609,6 +605,16 @@ _compiled = jax.jit(lambda computed, *args, **kwargs: _sharded(*args, **kwargs),
                     static_argnums=0,
                     static_argnames=("mesh", "axis", "batch_axis", "head_axis", "is_causal",
                                      "scale", "layout"))
+
+
+def check_from_fn_unsharded(rule, mesh: Mesh, batch_axis, head_axis) -> None:
+    """A ValueError if the rule holds a from_fn and the batch or the heads are sharded:
+    it reads the example and head indices, which are local to a shard then."""
+    if any(isinstance(part, masks.FromFn) for part in rule.parts()) and (
+            mesh.shape.get(batch_axis, 1) > 1 or mesh.shape.get(head_axis, 1) > 1):
+        raise ValueError("from_fn reads the example and head indices, which are local once "
+                         f"the batch or the heads are sharded; got a mesh {dict(mesh.shape)} "
+                         f"with batch_axis={batch_axis!r}, head_axis={head_axis!r}")
 
 
 def _array_free(mask) -> Mask:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from attnjax import _checks, masks
@@ -84,6 +85,21 @@ def append(cached_key, cached_value, index, key, value) -> Appended:
         raise ValueError(
             f"decode=True: new keys must have the cache's batch axes and heads, "
             f"[batch..., T, K, H] = {expected}; got {_checks.shape_str(key.shape)}")
+    value_shape = key.shape[:-1] + cached_value.shape[-1:]
+    if value.shape != value_shape:
+        raise ValueError(
+            f"decode=True: new values must have the keys' batch axes, T and heads and the "
+            f"cache's V, [batch..., T, K, V] = {_checks.shape_str(value_shape)}; got "
+            f"{_checks.shape_str(value.shape)}")
+    if not isinstance(index, jax.core.Tracer):
+        index_dtype = getattr(index, "dtype", None)
+        if (isinstance(index, bool) or not isinstance(index, (int, np.integer))
+                and not (index_dtype is not None and jnp.issubdtype(index_dtype, jnp.integer)
+                         and np.ndim(index) == 0)):
+            raise TypeError(f"the cache index must be an int (a slot); got {index!r}")
+        if int(index) < 0:
+            raise ValueError(f"the cache index must be >= 0 (the first free slot); got "
+                             f"{int(index)}")
     capacity, new = cache_shape[-3], key.shape[-3]
     start = index
     check_room(start, new, capacity)

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 import attnjax
-from attnjax import masks, nn, scores
+from attnjax import kv_cache, masks, nn, scores
 from attnjax.parallel import ring
 from tests import draws
 
@@ -161,6 +161,21 @@ MISTAKES = [
      r"num_queries must be a positive int; got -1"),
     ("query_int64", lambda: _without_x64(dpa, np.ones((B, T, N, H), np.int64), k, v),
      TypeError, r"query must have a floating dtype; got int64"),   # (was "int32")
+    # kv_cache.append called directly: the values as the keys and the cache, a known index
+    # (a short value had left a filled slot stale, a negative index wrote the last slots)
+    ("append_value_length", lambda: kv_cache.append(
+        _zeros(1, 6, 2, 3), _zeros(1, 6, 2, 4), 0, _zeros(1, 2, 2, 3), _zeros(1, 1, 2, 4)),
+     ValueError, r"new values must have the keys' batch axes, T and heads and the cache's "
+                 r"V, \[batch..., T, K, V\] = \[1, 2, 2, 4\]; got \[1, 1, 2, 4\]"),
+    ("append_value_width", lambda: kv_cache.append(
+        _zeros(1, 6, 2, 3), _zeros(1, 6, 2, 4), 0, _zeros(1, 2, 2, 3), _zeros(1, 2, 2, 5)),
+     ValueError, r"= \[1, 2, 2, 4\]; got \[1, 2, 2, 5\]"),
+    ("append_negative_index", lambda: kv_cache.append(
+        _zeros(1, 6, 1, 2), _zeros(1, 6, 1, 2), -1, _zeros(1, 2, 1, 2), _zeros(1, 2, 1, 2)),
+     ValueError, r"the cache index must be >= 0 \(the first free slot\); got -1"),
+    ("append_float_index", lambda: kv_cache.append(
+        _zeros(1, 6, 1, 2), _zeros(1, 6, 1, 2), 1.5, _zeros(1, 2, 1, 2), _zeros(1, 2, 1, 2)),
+     TypeError, r"the cache index must be an int \(a slot\); got 1.5"),
     # a score_mod made for another number of query heads (it read the last head's values)
     ("alibi_heads", lambda: dpa(q, k, v, score_mod=scores.alibi(scores.alibi_slopes(4))),
      ValueError, r"score_mod holds values for 4 query heads .*; got N=6 query heads"),

@@ -326,10 +326,8 @@ def _aligned_positions(shape: Shape, causal_alignment, positions):
 
 def _check_inputs(query, key, value, same_head_dim: bool):
     for name, x in (("query", query), ("key", key), ("value", value)):
-        # the dtype given, before jnp.asarray makes int64 int32 (without jax_enable_x64)
-        given = getattr(x, "dtype", None)
-        if given is not None and not jnp.issubdtype(given, jnp.floating):
-            raise TypeError(f"{name} must have a floating dtype; got {given}")
+        if hasattr(x, "dtype"):   # the dtype given: jnp.asarray makes int64 int32 (no x64)
+            _checks.check_floating(name, x)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     if query.ndim == 2:
         raise ValueError(

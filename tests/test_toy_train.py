@@ -82,6 +82,26 @@ def test_the_best_checkpoint_outlives_a_resume(tmp_path):
                   if p.name.isdigit()) == [10, 50]
 
 
+def test_the_summary_names_the_best_step_the_checkpoints_keep(tmp_path):
+    """Among steps of equal exact match the checkpoints keep the newest, and the run's
+    summary names that one (it named the earliest, which was deleted)."""
+    rng = np.random.default_rng(5)
+    scores = [float(s) for s in rng.choice([0.25, 0.5, 0.75], size=6)]
+    scores[rng.integers(1, 6)] = max(scores[:-1]) if rng.random() < 0.5 else scores[0]
+    scores.append(max(scores))   # the last ties the best seen
+    state = {"w": rng.standard_normal((3, 2)).astype(np.float32)}
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=1)
+    best = {"exact_match": -1.0, "step": None}
+    for i, exact_match in enumerate(scores):
+        step = 10 * (i + 1)
+        checkpoints.save(step, state, {"step": step}, exact_match)
+        best = cli._best(best, step, exact_match)
+        kept = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+        assert best["step"] in kept and best["exact_match"] == max(scores[:i + 1])
+    checkpoints.close()
+    assert best["step"] == 10 * len(scores)
+
+
 def test_seed_changes_initialisation_and_data(float32):
     """Two seeds give other parameters and data, from one compiled initialisation: the
     seed is the program's argument, so another seed's run finds it compiled (in jax's

@@ -395,6 +395,14 @@ def _attention_of_first(model, params, task, eval_batch, predictions):
     return attention_maps(state["intermediates"]), src_tokens, tgt_tokens
 
 
+def _best(best: dict, step: int, exact_match: float) -> dict:
+    """The best evaluated step after step's evaluation: among equal exact matches the
+    newest, the one the checkpoints keep (`Checkpoints`)."""
+    if exact_match >= best["exact_match"]:
+        return {"exact_match": exact_match, "step": step}
+    return best
+
+
 def _save(checkpoints: Checkpoints, step: int, state, record: dict,
           exact_match: float | None = None) -> None:
     """A checkpoint of step, refused if the parameters are not finite: every checkpoint
@@ -535,8 +543,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
                     f"step {step}: held-out exact match "
                     f"{eval_record['eval_exact_match']:.4f}, token accuracy "
                     f"{eval_record['eval_token_accuracy']:.4f}")
-                if eval_record["eval_exact_match"] > best["exact_match"]:
-                    best = {"exact_match": eval_record["eval_exact_match"], "step": step}
+                best = _best(best, step, eval_record["eval_exact_match"])
             if agreed_stops:
                 stop.sync_stop(step)
             if evaluate or step % config.checkpoint_every == 0:

@@ -82,6 +82,18 @@ def check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool (True or False); got {got}")
 
 
+def is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool (what jax takes for a size)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def positive_int(name: str, value) -> int:
+    """value, a Python or NumPy integer >= 1, as an int."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return int(value)
+
+
 def outside(values, low, high):
     """The first of `values` (numpy, known) outside [low, high] — the lowest if any is
     below, else the highest — or None when all are inside (or there are none)."""
@@ -205,8 +217,7 @@ def check_dropout(rate, rng) -> float:
 def resolve_block_sizes(block_sizes) -> tuple[int, int]:
     ok = (
         isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2
-        and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0
-                for b in block_sizes)
+        and all(is_int(b) and b > 0 for b in block_sizes)
     )
     if not ok:
         raise ValueError(f"block_sizes must be a pair of positive ints (block_q, block_k); "

@@ -835,9 +835,7 @@ def chunked_causal(size: int) -> Mask:
         >>> attnjax.dot_product_attention(q, k, v, mask=masks.chunked_causal(4)).shape
         (1, 8, 2, 8)
     """
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-        raise ValueError(f"chunked_causal size must be a positive int; got {size!r}")
-    return Mask(ChunkedCausal(int(size)))
+    return Mask(ChunkedCausal(_checks.positive_int("chunked_causal size", size)))
 
 
 def from_array(mask: Bool[ArrayLike, "..."]) -> Mask:
@@ -880,9 +878,8 @@ def from_fn(fn: Callable) -> Mask:
 
 
 def _grid(mask: Mask, num_queries: int, num_keys: int) -> Bool[Array, "T S"]:
-    for name, count in (("num_queries", num_queries), ("num_keys", num_keys)):
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
-            raise ValueError(f"{name} must be a positive int; got {count!r}")
+    num_queries = _checks.positive_int("num_queries", num_queries)
+    num_keys = _checks.positive_int("num_keys", num_keys)
     bound = mask.bind(Shape(1, num_queries, num_keys, 1, unbatched=True))
     head = jax.tree.map(lambda x: x[0, 0], bound)
     return head.visible(head.coords(0, num_queries, 0, num_keys))

@@ -27,12 +27,6 @@ from attnjax.attention import dot_product_attention
 Params = dict[str, dict[str, Array]]
 
 
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int; got {value!r}")
-    return value
-
-
 def init_multi_head_attention(
     rng: Array,
     in_features: int,
@@ -92,12 +86,16 @@ def projection_shapes(
     kv_features: int | None = None,
 ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """(fan-in axes, fan-out axes) of each projection kernel, the options validated."""
-    in_features = _positive_int("in_features", in_features)
-    num_heads = _positive_int("num_heads", num_heads)
-    qkv_features = _positive_int("qkv_features", in_features if qkv_features is None else qkv_features)
-    out_features = _positive_int("out_features", in_features if out_features is None else out_features)
-    kv_features = _positive_int("kv_features", in_features if kv_features is None else kv_features)
-    num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+    in_features = _checks.positive_int("in_features", in_features)
+    num_heads = _checks.positive_int("num_heads", num_heads)
+    qkv_features = _checks.positive_int(
+        "qkv_features", in_features if qkv_features is None else qkv_features)
+    out_features = _checks.positive_int(
+        "out_features", in_features if out_features is None else out_features)
+    kv_features = _checks.positive_int(
+        "kv_features", in_features if kv_features is None else kv_features)
+    num_kv_heads = _checks.positive_int(
+        "num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
     if qkv_features % num_heads:
         raise ValueError(
             f"qkv_features must be divisible by num_heads; got qkv_features={qkv_features}, "

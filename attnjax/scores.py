@@ -242,8 +242,7 @@ def alibi_slopes(num_heads: int) -> Array:
         >>> scores.alibi_slopes(4).tolist()                                 # [N]
         [0.25, 0.0625, 0.015625, 0.00390625]
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
+    num_heads = _checks.positive_int("num_heads", num_heads)
     return jnp.asarray(2.0 ** (-8.0 * (np.arange(num_heads) + 1) / num_heads), jnp.float32)
 
 
@@ -327,7 +326,7 @@ def relative_position_bias(table: Float[ArrayLike, "buckets N"], *, num_buckets:
                          f"[num_buckets={num_buckets}, N]; got {table.dtype} "
                          f"{_checks.shape_str(table.shape)}")
     for name, value in (("num_buckets", num_buckets), ("max_distance", max_distance)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        if not (_checks.is_int(value) and value >= 2):
             raise ValueError(f"{name} must be an int ≥ 2; got {value!r}")
     if max_distance <= num_buckets // (4 if bidirectional else 2):
         raise ValueError(f"max_distance={max_distance} must exceed the exact range "

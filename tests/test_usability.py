@@ -78,6 +78,40 @@ def test_dtype_is_taken_as_a_jnp_dtype_or_its_name():
         nn.DecoderOnlyConfig(vocab_size=7, dtype=jnp.int8)
 
 
+def test_sizes_may_be_numpy_integers_as_in_jax_and_flax(rng, own_checks_only):
+    """A count computed with NumPy (np.int64, np.int32) is a size like an int, as jax's
+    shapes and flax's num_heads take it; a bool or a float is still refused."""
+    sizes = draws.host(rng).integers(1, 3, 3)
+    heads, kv, width = np.int64(2 * sizes[0]), np.int32(sizes[0]), np.int64(8 * sizes[1])
+    x = jax.random.normal(rng, (2, int(sizes[2]) + 2, int(width)))
+    as_ints = nn.MultiHeadDotProductAttention(num_heads=int(heads), num_kv_heads=int(kv))
+    variables = as_ints.init(rng, x)
+    numpy_sized = nn.MultiHeadDotProductAttention(num_heads=heads, num_kv_heads=kv)
+    np.testing.assert_array_equal(numpy_sized.apply(variables, x), as_ints.apply(variables, x))
+    params = attnjax.init_multi_head_attention(rng, width, heads, num_kv_heads=kv)
+    assert params["query"]["kernel"].shape == (width, heads, width // heads)
+    config = nn.TransformerConfig(src_vocab_size=np.int64(5), tgt_vocab_size=5, d_model=width,
+                                  num_heads=heads, num_kv_heads=kv, d_ff=np.int32(16))
+    assert config == nn.TransformerConfig(src_vocab_size=5, tgt_vocab_size=5, d_model=int(width),
+                                          num_heads=int(heads), num_kv_heads=int(kv), d_ff=16)
+    assert hash(config) == hash(dataclasses.replace(config, d_model=int(width)))
+    np.testing.assert_array_equal(attnjax.scores.alibi_slopes(heads),
+                                  attnjax.scores.alibi_slopes(int(heads)))
+    table = jax.random.normal(rng, (8, int(heads)))
+    assert attnjax.scores.relative_position_bias(table, num_buckets=np.int64(8),
+                                                 max_distance=np.int32(16)).num_heads == heads
+    np.testing.assert_array_equal(attnjax.masks.causal_mask(np.int64(3), np.int32(5)),
+                                  attnjax.masks.causal_mask(3, 5))
+    q = jax.random.normal(rng, (1, 4, 2, 8))
+    np.testing.assert_array_equal(
+        attnjax.dot_product_attention(q, q, q, mask=attnjax.masks.chunked_causal(np.int64(2))),
+        attnjax.dot_product_attention(q, q, q, mask=attnjax.masks.chunked_causal(2)))
+    assert mesh_lib.make_mesh({"data": np.int64(1)}).shape["data"] == 1
+    for bad in (True, np.bool_(True), 2.0):
+        with pytest.raises(ValueError, match=f"num_heads must be a positive int; got {bad!r}"):
+            attnjax.init_multi_head_attention(rng, 8, bad)
+
+
 # --- models: padded batches ----------------------------------------------------------------
 
 

@@ -27,8 +27,7 @@ IMPLEMENTATIONS = (None, *ENGINE_IMPLEMENTATIONS, "xla")
 def _check_config(config) -> None:
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if field.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)
-                                           or value <= 0):
+        if field.type in ("int", int) and not (_checks.is_int(value) and value > 0):
             raise ValueError(f"{type(config).__name__}.{field.name} must be a positive int; "
                              f"got {value!r}")
         if field.type in ("bool", bool) and not isinstance(value, bool):
@@ -38,8 +37,7 @@ def _check_config(config) -> None:
         raise ValueError(f"d_model must be divisible by num_heads; got d_model={config.d_model}, "
                          f"num_heads={config.num_heads}")
     kv = config.num_kv_heads
-    if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0
-                           or config.num_heads % kv):
+    if kv is not None and not (_checks.is_int(kv) and kv > 0 and config.num_heads % kv == 0):
         raise ValueError(f"num_kv_heads must be a positive divisor of num_heads="
                          f"{config.num_heads}; got {kv!r}")
     for name in ("dropout_rate", "attention_dropout_rate"):

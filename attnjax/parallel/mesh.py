@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from attnjax import _checks
+
 AXES = ("data", "model", "seq")
 
 # (module name, parameter name) -> how to split it; everything else is replicated.
@@ -65,7 +67,7 @@ def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
     for axis, count in shape.items():
         if axis not in AXES:
             raise ValueError(f"make_mesh's axes are {AXES}; got an axis {axis!r} in {shape}")
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        if not (_checks.is_int(count) and count >= 1):
             raise ValueError(f"make_mesh's axis sizes must be positive ints; got {axis}="
                              f"{count!r}")
     sizes = tuple(shape.get(axis, 1) for axis in AXES)

@@ -417,9 +417,13 @@ def test_precision_reaches_every_product(rng):
     params = _perturbed(_flax_init(theirs, rng, x)["params"], rng)
     np.testing.assert_allclose(_jit(ours.apply, {"params": params}, x),
                                _flax_apply(theirs, {"params": params}, x), rtol=1e-5, atol=1e-6)
+    # every spelling lax.dot_general takes: lax.Precision's aliases, presets, pairs
     for precision, expected in ((lax.Precision.HIGHEST, "precision = [HIGHEST, HIGHEST]"),
                                 ("highest", "precision = [HIGHEST, HIGHEST]"),
-                                (None, None)):
+                                ("float32", "precision = [HIGHEST, HIGHEST]"),
+                                (("tensorfloat32", "high"), "precision = [HIGH, HIGH]"),
+                                ("fastest", None), (("fastest", "bfloat16"), None),
+                                (lax.DotAlgorithmPreset.DEFAULT, None), (None, None)):
         module = ours.clone(precision=precision)
         hlo = jax.jit(lambda p: module.apply({"params": p}, x, mask=jnp.ones((T, T), bool))
                       ).lower(params).as_text()

@@ -501,25 +501,39 @@ def _flat_mask(mask, batch: tuple[int, ...]):
     return mask.reshape((-1,) + mask.shape[-3:])
 
 
+def _precision_name(precision) -> str:
+    """The name `jax.default_matmul_precision` takes for one of flax's precisions: a
+    `lax.Precision` or any string it takes ("fastest", "bfloat16", ...: its name), or a
+    `DotAlgorithmPreset` (or a preset's name)."""
+    if isinstance(precision, lax.Precision):
+        return precision.name.lower()
+    if isinstance(precision, lax.DotAlgorithmPreset):
+        return "default" if precision == lax.DotAlgorithmPreset.DEFAULT else precision.name
+    if isinstance(precision, str):
+        if precision in lax.DotAlgorithmPreset.__members__:
+            return _precision_name(lax.DotAlgorithmPreset[precision])
+        try:
+            return lax.Precision(precision).name.lower()
+        except ValueError:
+            raise ValueError(f"precision must name a jax.lax.Precision or a DotAlgorithmPreset; "
+                             f"got {precision!r}") from None
+    raise TypeError(f"precision must be None, a string, a jax.lax.Precision or a "
+                    f"DotAlgorithmPreset; got {precision!r}")
+
+
 def _matmul_precision(precision):
     """flax's `precision` for the engine's products, which run at jax's default matmul
     precision: a context that sets it (nothing when None)."""
     if precision is None:
         return contextlib.nullcontext()
     if isinstance(precision, (tuple, list)):
-        if len(precision) != 2 or precision[0] != precision[1]:
+        names = [_precision_name(p) for p in precision]
+        if len(names) != 2 or names[0] != names[1]:
             raise ValueError(
                 "precision as a pair must name one precision twice for attnjax's engine "
                 "(its products take one); got " + repr(precision))
-        precision = precision[0]
-    if isinstance(precision, lax.Precision):
-        precision = precision.name.lower()
-    elif isinstance(precision, lax.DotAlgorithmPreset):
-        precision = precision.name
-    if not isinstance(precision, str):
-        raise TypeError(f"precision must be None, a string, a jax.lax.Precision or a "
-                        f"DotAlgorithmPreset; got {precision!r}")
-    return jax.default_matmul_precision(precision)
+        return jax.default_matmul_precision(names[0])
+    return jax.default_matmul_precision(_precision_name(precision))
 
 
 def flax_attention_reason(dtype, replaced: bool, replacer: str) -> str | None:

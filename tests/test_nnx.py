@@ -129,6 +129,27 @@ def test_decode_step_by_step_equals_full_causal_and_flax(inputs):
     np.testing.assert_allclose(jnp.concatenate(chunks, 1), full, atol=ATOL)
 
 
+def test_view_sizes_a_missing_cache_and_keeps_an_existing_one(inputs):
+    """nnx.view(decode=True, batch_size=..., max_length=...) sizes a cache init_cache has
+    not, and needs both only then: on a sized cache (flax: any) it only sets decode."""
+    x, _ = inputs
+    ours = anx.MultiHeadAttention(num_heads=4, in_features=D, num_kv_heads=2, decode=False,
+                                  rngs=nnx.Rngs(3))
+    full = _call(ours, x[:, :2], is_causal=True)
+    with pytest.raises(TypeError, match="'max_length' must be provided"):
+        ours.set_view(decode=True, batch_size=B)
+    assert not ours.decode   # a refused view changes nothing
+    viewed = nnx.view(ours, decode=True, batch_size=B, max_length=T)
+    assert viewed.cached_key.shape == (B, T, 2, D // 4) and viewed.decode
+    steps = [_call(viewed, x[:, i:i + 1]) for i in range(2)]
+    before = viewed.cached_key[...]
+    for sizes in (dict(batch_size=B + 1), dict(max_length=T + 1), {}):
+        again = nnx.view(viewed, decode=True, **sizes)
+        np.testing.assert_array_equal(again.cached_key[...], before)
+        assert int(again.cache_index[...]) == 2
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=ATOL)
+
+
 def test_a_decoding_step_traced_sized_for_every_append_calls_no_host(inputs):
     """nn.sized_for_every_append serves the nnx cache too: a step traced inside it has
     no overrun check's host callback (the same step outside has one), and decodes token

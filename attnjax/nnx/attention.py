@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx import rnglib
 from flax.nnx.module import first_from
@@ -338,14 +339,16 @@ class MultiHeadAttention(nnx.Module):
                  max_length: int | None = None):
         """flax's hook for `nnx.view`: sets deterministic and decode; with batch_size
         and max_length, sizes a cache that `init_cache` has not."""
+        sizes = decode is not None and self.cached_key is None and (
+            (batch_size, max_length) != (None, None))
+        if sizes and (batch_size is None or max_length is None):   # before any change
+            missing = "batch_size" if batch_size is None else "max_length"
+            raise TypeError(f"'{missing}' must be provided when initializing cache.")
         if deterministic is not None:
             self.deterministic = deterministic
         if decode is not None:
             self.decode = decode
-            if (batch_size is None) != (max_length is None):
-                missing = "batch_size" if batch_size is None else "max_length"
-                raise TypeError(f"'{missing}' must be provided when initializing cache.")
-            if self.cached_key is None and batch_size is not None:
-                batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
+            if sizes:
+                batch = (batch_size,) if np.ndim(batch_size) == 0 else tuple(batch_size)
                 self.init_cache((*batch, max_length, self.in_features),
                                 self.dtype or jnp.float32)

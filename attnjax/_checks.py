@@ -105,13 +105,33 @@ def outside(values, low, high):
     return highest if highest > high else None
 
 
+def is_real_scalar(x) -> bool:
+    """A 0-d array (jax, NumPy) of an integer or floating dtype, or such a number."""
+    dtype = getattr(x, "dtype", None)
+    return (dtype is not None and np.ndim(x) == 0 and dtype != bool
+            and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)))
+
+
+def _what(x) -> str:
+    shape = getattr(x, "shape", None)
+    return type(x).__name__ + ("" if shape is None else f" of shape {shape_str(shape)} "
+                               f"and dtype {x.dtype}")
+
+
 def resolve_scale(scale, head_dim: int) -> float:
     if scale is None:
         if head_dim == 0:
             raise ValueError("the head dim H must be positive to scale by 1/√H; got H=0")
         return 1.0 / math.sqrt(head_dim)
-    if not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a Python number; got {type(scale).__name__}")
+    if isinstance(scale, jax.core.Tracer):
+        raise TypeError("scale must be a number known when the call is traced; got a traced "
+                        "value (dot_product_attention takes one)")
+    if is_real_scalar(scale) and not isinstance(scale, (int, float, np.number)):
+        scale = scale.item()   # a 0-d jax or NumPy array: its number
+    if not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(
+            scale, (bool, np.bool_)):
+        raise TypeError(f"scale must be a real number or a 0-d array of one; got "
+                        f"{_what(scale)}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be positive and finite; got {scale}")
     if not MIN_SCALE <= scale <= MAX_SCALE:

@@ -19,7 +19,7 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 
 from attnjax import _checks, chunked, cudnn, dense, heads, masks
 from attnjax.masks import Mask, Shape
@@ -84,7 +84,7 @@ def dot_product_attention(
     bias: Float[ArrayLike, "..."] | None = None,
     mask: Mask | Bool[ArrayLike, "..."] | None = None,
     *,
-    scale: float | None = None,
+    scale: float | Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
     query_lengths: Int[ArrayLike, "*B"] | None = None,
     key_lengths: Int[ArrayLike, "*B"] | None = None,
@@ -132,7 +132,9 @@ def dot_product_attention(
       mask: an `attnjax.Mask` (`attnjax.masks.causal() & masks.segments(ids)`, ...)
         or a bool array broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched),
         True = may attend. A float array is a TypeError: pass additive values as bias.
-      scale: logit scale; 1/√H when None.
+      scale: logit scale; 1/√H when None. A number or a 0-d array, checked to lie in
+        [1.2e-38, 1e4]; under jit or grad it may be traced (not checked then), as a
+        learned temperature.
       is_causal: key j is visible to query i when j ≤ i + (S − T): the *last* query
         sees every key. The usual triangle when T = S, and right for a KV-cache step or
         chunked prefill (T < S). `jax.nn.dot_product_attention` aligns top-left
@@ -220,6 +222,7 @@ def dot_product_attention(
         # jax.nn's name for plain XLA, which both of attnjax's own kernels are.
         implementation = None
     query, key, value, shape = _check_inputs(query, key, value, alignment is None)
+    query, scale = _traced_scale(query, scale, alignment)
     positions = _aligned_positions(shape, causal_alignment, positions)
     attention_mask = _mask_from_keywords(
         shape, mask, is_causal=is_causal, query_lengths=query_lengths,
@@ -303,6 +306,19 @@ def _one_of(name: str, value, alias: str, alias_value):
         raise ValueError(f"{name} and {alias} are two names for one argument; give one of "
                          f"them, got both")
     return alias_value
+
+
+def _traced_scale(query, scale, alignment):
+    """(query, scale) with a traced scale (under jit, or a learned temperature under grad,
+    as jax.nn takes it) folded into the query. The kernels' first step is q·scale in q's
+    dtype, so the result has the bits it has for that number given as a Python float
+    (which is range-checked; a traced one cannot be)."""
+    if alignment is not None or not isinstance(scale, jax.core.Tracer):
+        return query, scale
+    if not _checks.is_real_scalar(scale):
+        raise TypeError(f"scale must be a real number or a 0-d array of one; got a traced "
+                        f"{scale.dtype} {_checks.shape_str(scale.shape)}")
+    return query * scale.astype(query.dtype), 1.0
 
 
 def _aligned_positions(shape: Shape, causal_alignment, positions):

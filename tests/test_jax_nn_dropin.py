@@ -131,6 +131,32 @@ def test_jax_nn_names_are_aliases_of_attnjax_s():
         attnjax.dot_product_attention(q, k, v, is_causal=True, implementation="xla"), automatic)
 
 
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_scale_may_be_an_array_traced_under_jit_and_learned_under_grad(implementation,
+                                                                      own_checks_only):
+    """jax.nn takes scale as an array (1/jnp.sqrt(H)), traced (a jit argument) and
+    differentiated (a learned temperature): attnjax gives the bits it gives for the same
+    number as a float, and jax.nn's gradient for it."""
+    q, k, v = _qkv(30)
+    number = float(_host(31).uniform(0.1, 1.0))
+    kw = dict(is_causal=True, causal_alignment="top_left", implementation=implementation)
+
+    def ours(scale):
+        return attnjax.dot_product_attention(q, k, v, scale=scale, **kw)
+
+    as_float = ours(number)
+    np.testing.assert_array_equal(ours(jnp.float32(number)), as_float)
+    np.testing.assert_array_equal(jax.jit(ours)(jnp.float32(number)), as_float)
+    weights = jnp.asarray(_host(32).standard_normal(as_float.shape), jnp.float32)
+    grad = jax.grad(lambda s: jnp.sum(ours(s) * weights))(number)
+    expected = jax.grad(lambda s: jnp.sum(_jax_nn(q, k, v, scale=s, is_causal=True) * weights)
+                        )(number)
+    np.testing.assert_allclose(grad, expected, rtol=1e-4)
+    with pytest.raises(TypeError, match=r"scale must be a real number or a 0-d array of one; "
+                                        r"got a traced float32 \[2\]"):
+        jax.jit(ours)(jnp.full((2,), number, jnp.float32))
+
+
 def test_top_left_is_positions_from_zero_and_differs_from_bottom_right():
     q, k, v = _qkv(15)
     top_left = attnjax.dot_product_attention(q, k, v, is_causal=True,

@@ -280,8 +280,8 @@ def _grid_mesh():
      r"batch_axis='data' splits B over its 2 devices, which needs B divisible by 2; got B=1"),
     ((2, 8, 2, 4), dict(batch_axis="seq"), ValueError,
      r"axis, batch_axis and head_axis must be different mesh axes"),
-    ((2, 8, 2, 4), dict(scale=jnp.float32(0.3)), TypeError,
-     r"scale must be a Python number; got ArrayImpl"),
+    ((2, 8, 2, 4), dict(scale=jnp.full((2,), 0.3)), TypeError,
+     r"scale must be a real number or a 0-d array of one; got ArrayImpl of shape \[2\]"),
 ])
 def test_ring_self_attention_sharding_errors(shape, kwargs, error, message):
     q = jnp.ones(shape, jnp.float32)

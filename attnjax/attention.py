@@ -127,11 +127,11 @@ def dot_product_attention(
       query: `[B, T, N, H]`, or `[T, N, H]` for one unbatched example.
       key: `[B, S, K, H]` (or `[S, K, H]`); K must divide N.
       value: `[B, S, K, V]` (or `[S, K, V]`); same dtype as query and key.
-      bias: float, broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched); added to
-        the logits. Use it for additive masks and relative-position biases.
+      bias: float, broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched, or jax.nn's
+        `[1, N, T, S]`); added to the logits. Use it for additive masks and relative-position biases.
       mask: an `attnjax.Mask` (`attnjax.masks.causal() & masks.segments(ids)`, ...)
-        or a bool array broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched),
-        True = may attend. A float array is a TypeError: pass additive values as bias.
+        or a bool array broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched, or
+        `[1, N, T, S]`), True = may attend. A float array is a TypeError: pass additive values as bias.
       scale: logit scale; 1/√H when None. A number or a 0-d array, checked to lie in
         [1.2e-38, 1e4]; under jit or grad it may be traced (not checked then), as a
         learned temperature.
@@ -139,9 +139,9 @@ def dot_product_attention(
         sees every key. The usual triangle when T = S, and right for a KV-cache step or
         chunked prefill (T < S). `jax.nn.dot_product_attention` aligns top-left
         (j ≤ i) instead: see causal_alignment. Same as `mask=masks.causal()`.
-      query_lengths: int `[B]` (`[]` unbatched), the valid query lengths; query rows at
+      query_lengths: int `[B]` (`[]` or `[1]` unbatched), the valid query lengths; query rows at
         or past the length are padding and give zeros.
-      key_lengths: int `[B]` (`[]` unbatched), the valid key lengths; keys at or past
+      key_lengths: int `[B]` (`[]` or `[1]` unbatched), the valid key lengths; keys at or past
         the length are never attended to.
       window: `(left, right)` or an int w for `(w, w)`: query i sees key j when
         i' − left ≤ j ≤ i' + right, with i' = i + (S − T) its position.
@@ -223,6 +223,10 @@ def dot_product_attention(
         implementation = None
     query, key, value, shape = _check_inputs(query, key, value, alignment is None)
     query, scale = _traced_scale(query, scale, alignment)
+    if shape.unbatched:   # jax.nn's forms too: it gives an unbatched call a batch of one
+        bias, mask = _batch_of_one_dropped(bias, 4), _batch_of_one_dropped(mask, 4)
+        query_lengths = _batch_of_one_dropped(query_lengths, 1)
+        key_lengths = _batch_of_one_dropped(key_lengths, 1)
     positions = _aligned_positions(shape, causal_alignment, positions)
     attention_mask = _mask_from_keywords(
         shape, mask, is_causal=is_causal, query_lengths=query_lengths,
@@ -306,6 +310,15 @@ def _one_of(name: str, value, alias: str, alias_value):
         raise ValueError(f"{name} and {alias} are two names for one argument; give one of "
                          f"them, got both")
     return alias_value
+
+
+def _batch_of_one_dropped(x, rank: int):
+    """An unbatched call's array x without its leading axis when it has `rank` axes and
+    that one has size 1: jax.nn adds a batch of one to an unbatched call and takes
+    its bias and mask 4-D (`[1, N, T, S]`) and its lengths `[1]`."""
+    if x is None or isinstance(x, Mask) or np.ndim(x) != rank or np.shape(x)[0] != 1:
+        return x
+    return x[0] if hasattr(x, "shape") else np.asarray(x)[0]
 
 
 def _traced_scale(query, scale, alignment):

@@ -118,6 +118,25 @@ def test_unbatched_call_with_jax_nn_keywords():
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_unbatched_call_with_jax_nn_s_batch_of_one(own_checks_only):
+    """jax.nn gives an unbatched call a batch of one, and takes its bias and mask 4-D,
+    its lengths [1]: attnjax takes those forms too (annotated `*B` = (), they are
+    outside jaxtyping's checks)."""
+    q, k, v = _qkv(18, T, S, batch=())
+    host = _host(17)
+    kw = dict(bias=jnp.asarray(host.standard_normal((1, N, T, S)), jnp.float32),
+              mask=jnp.asarray(host.random((1, 1, T, S)) < 0.7),
+              query_seq_lengths=jnp.asarray(host.integers(2, T + 1, (1,)), jnp.int32),
+              key_value_seq_lengths=jnp.asarray(host.integers(2, S + 1, (1,)), jnp.int32))
+    expected = _jax_nn(q, k, v, **kw)
+    got = attnjax.dot_product_attention(q, k, v, **kw)
+    rows = _visible(T, S, kw, kw["mask"])[0, 0].any(-1)   # [T]
+    assert rows.any() and not rows.all()
+    np.testing.assert_allclose(np.asarray(got)[rows], np.asarray(expected)[rows], rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got)[~rows], 0.0)
+
+
 def test_jax_nn_names_are_aliases_of_attnjax_s():
     q, k, v = _qkv(12)
     q_len, k_len = _lengths(13, T, 1), _lengths(14, S, 1)

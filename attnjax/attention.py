@@ -218,6 +218,8 @@ def dot_product_attention(
     key_lengths = _one_of("key_lengths", key_lengths, "key_value_seq_lengths",
                           key_value_seq_lengths)
     window = _one_of("window", window, "local_window_size", local_window_size)
+    # Python lists and numbers too, as jax.nn takes them
+    bias, query_lengths, key_lengths = (_as_array(x) for x in (bias, query_lengths, key_lengths))
     if implementation == "xla":
         # jax.nn's name for plain XLA, which both of attnjax's own kernels are.
         implementation = None
@@ -310,6 +312,14 @@ def _one_of(name: str, value, alias: str, alias_value):
         raise ValueError(f"{name} and {alias} are two names for one argument; give one of "
                          f"them, got both")
     return alias_value
+
+
+def _as_array(x):
+    """A list, tuple or Python number as a NumPy array; anything else as given (its
+    checks name what is wrong)."""
+    if isinstance(x, (list, tuple, int, float)) and not isinstance(x, bool):
+        return np.asarray(x)
+    return x
 
 
 def _batch_of_one_dropped(x, rank: int):

@@ -137,6 +137,23 @@ def test_unbatched_call_with_jax_nn_s_batch_of_one(own_checks_only):
     np.testing.assert_array_equal(np.asarray(got)[~rows], 0.0)
 
 
+def test_lengths_and_bias_may_be_python_lists_as_in_jax_nn(own_checks_only):
+    q, k, v = _qkv(19)
+    host = _host(20)
+    q_len, k_len = host.integers(1, T + 1, B).tolist(), host.integers(1, S + 1, B).tolist()
+    bias = host.standard_normal((T, S)).astype(np.float32)
+    kw = dict(query_seq_lengths=q_len, key_value_seq_lengths=tuple(k_len))
+    as_lists = attnjax.dot_product_attention(q, k, v, bias=bias.tolist(), **kw)
+    np.testing.assert_array_equal(as_lists, attnjax.dot_product_attention(
+        q, k, v, bias=jnp.asarray(bias), query_seq_lengths=jnp.asarray(q_len, jnp.int32),
+        key_value_seq_lengths=jnp.asarray(k_len, jnp.int32)))
+    rows = _visible(T, S, kw)[:, 0].any(-1)   # [B, T]
+    np.testing.assert_allclose(np.asarray(as_lists)[rows], np.asarray(
+        _jax_nn(q, k, v, bias=bias.tolist(), **kw))[rows], rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="key_lengths must have an integer dtype; got float64"):
+        attnjax.dot_product_attention(q, k, v, key_lengths=[1.5] * B)
+
+
 def test_jax_nn_names_are_aliases_of_attnjax_s():
     q, k, v = _qkv(12)
     q_len, k_len = _lengths(13, T, 1), _lengths(14, S, 1)

@@ -194,7 +194,8 @@ def write_table(a: dict, b: dict, tasks, head_dims, args, path: Path) -> str:
     lines += ["", f"(b) Trained: encoder–decoder, 1 + 1 layers, d_model = {args.d_model} "
               f"split into d_model/d_k heads, {args.steps} steps of 64 examples, "
               f"sequences of 1–8 symbols from 10; held-out exact match "
-              f"({args.eval_size} examples) and the mean loss of the last 20 steps.", "",
+              f"({args.eval_size} examples) and the mean loss of the last "
+              f"{min(20, args.steps)} steps.", "",
               "| task | score | " + " | ".join(f"d_k = {d}" for d in head_dims) + " |",
               "|---|---|" + "---:|" * len(head_dims)]
     for task in tasks:

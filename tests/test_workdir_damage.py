@@ -107,6 +107,49 @@ def test_a_file_where_the_checkpoints_go_is_refused_before_training(tmp_path, fl
     assert (workdir / "checkpoints").read_text() == "hi\n"
 
 
+def test_checkpoints_without_their_config_are_refused_before_training(tmp_path, float32):
+    """A workdir whose config.yaml is gone but whose checkpoints are there holds a run of
+    an unknown config: resuming it with this command's (another seed, say) would mix
+    two runs, so it is refused as a mistake, before anything compiles."""
+    config = load_config(ROOT / "configs" / "copy.yaml", TINY)
+    workdir = tmp_path / "run"
+    Checkpoints(workdir / "checkpoints", keep=1).save(5, {"w": jnp.ones((2, 3))}, {})
+    with pytest.raises(cli.ConfigError, match=r"holds checkpoints but no config.yaml, so the "
+                                              r"config they were trained with is unknown"):
+        cli.run(config, workdir, mesh=one_device_mesh(), interactive=False)
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["5"]
+
+
+def test_a_full_disk_as_a_run_starts_fails_it_and_leaves_nothing(tmp_path, monkeypatch):
+    """No room for the lock's pid in a new workdir, or for the config of a run: the run
+    fails (exit 1: the machine's fault, not a mistake), and no workdir, lock or
+    half-written config is left behind."""
+    config = load_config(ROOT / "configs" / "copy.yaml", TINY)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(cli.os, "write", full)
+        with pytest.raises(cli.RunFailed, match=r"^cannot use --workdir .*new: \[Errno 28\] No "
+                                                r"space left on device; nothing was written$"):
+            cli.run(config, tmp_path / "new", mesh=one_device_mesh(), interactive=False)
+    assert list(tmp_path.iterdir()) == []
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    real_write_text = Path.write_text
+
+    def half_written(self, text, *args, **kwargs):
+        real_write_text(self, text[:len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", half_written)
+    with pytest.raises(cli.RunFailed, match=r"No space left on device; the run in it, if any, "
+                                            r"is as it was$"):
+        cli._begin_run(workdir, config, force_new=False)
+    assert list(workdir.iterdir()) == []
+
+
 def test_a_failed_checkpoint_save_is_said_once(tmp_path, monkeypatch, caplog):
     """A write that fails in orbax's threads (a full disk): save raises one
     CheckpointError, without orbax's threads logging it again with a traceback, or the

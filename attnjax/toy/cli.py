@@ -154,9 +154,15 @@ def _check_workdir_config(workdir: Path, config: Config) -> None:
     or not) to the new last step. A key the saved config lacks (written before the key
     existed) has its default."""
     saved_path = workdir / "config.yaml"
-    if not saved_path.exists():
-        return
     advice = "use another --workdir, or --force-new to delete that run and start anew"
+    if not saved_path.exists():
+        checkpoints = workdir / "checkpoints"
+        if checkpoints.is_dir() and any(checkpoints.iterdir()):
+            # its config is unknown: resuming it with this one could mix two runs
+            raise ConfigError(f"{workdir} holds checkpoints but no config.yaml, so the "
+                              f"config they were trained with is unknown; put that run's "
+                              f"config.yaml back, or {advice}")
+        return
     try:
         saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))
         if saved is None:  # emptied: reading it as all defaults would misname the difference
@@ -194,22 +200,44 @@ def _lock_workdir(workdir: Path) -> int:
         os.close(fd)
         raise ConfigError(f"{workdir} is in use by another run (pid {holder}); wait for it "
                           f"to end or use another --workdir") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 
 def _write_atomically(path: Path, text: str) -> None:
     """Readers (other processes) see the old file or the new one, never half of it."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def _claim_workdir(workdir: Path, config: Config, force_new: bool) -> int | None:
+# What the machine, not the command, is short of: the run fails (exit 1) rather than
+# being refused as a mistake (exit 2).
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _workdir_error(workdir: Path, error: OSError, kept: str) -> Exception:
+    message = f"cannot use --workdir {workdir}: {error}"
+    if error.errno in OUT_OF_SPACE:
+        return RunFailed(f"{message}; {kept}")
+    return ConfigError(message)
+
+
+def _claim_workdir(workdir: Path, config: Config, force_new: bool,
+                   created: bool) -> int | None:
     """Makes, locks and checks the workdir of a run; the lock's descriptor, or None in a
     process other than the first (which holds the lock for all). Nothing in it changes
-    yet: `_begin_run` does that once the run has started (see there)."""
+    yet: `_begin_run` does that once the run has started (see there). created: the
+    workdir does not exist yet (where this fails, it is removed again)."""
     primary = jax.process_index() == 0
     lock = None
     try:
@@ -224,7 +252,11 @@ def _claim_workdir(workdir: Path, config: Config, force_new: bool) -> int | None
     except OSError as e:
         if lock is not None:
             os.close(lock)
-        raise ConfigError(f"cannot use --workdir {workdir}: {e}") from None
+        if created and primary:   # the workdir this call made (a full disk, say) goes
+            with contextlib.suppress(OSError):
+                (workdir / LOCK).unlink(missing_ok=True)
+                workdir.rmdir()
+        raise _workdir_error(workdir, e, "nothing was written") from None
     except ConfigError:
         if lock is not None:
             os.close(lock)
@@ -246,7 +278,8 @@ def _begin_run(workdir: Path, config: Config, force_new: bool) -> None:
                 shutil.rmtree(path) if is_dir else path.unlink(missing_ok=True)
         _write_atomically(workdir / "config.yaml", dump_config(config))
     except OSError as e:
-        raise ConfigError(f"cannot use --workdir {workdir}: {e}") from None
+        raise _workdir_error(workdir, e, "the run in it, if any, is as it was" if not force_new
+                             else "its old run may be partly deleted") from None
 
 
 class _Window:
@@ -443,7 +476,7 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
                           f"{jax.default_backend()}")
     stop.stop_if_requested(_before_training(workdir))
     created = not os.path.lexists(workdir)
-    lock = _claim_workdir(workdir, config, force_new)
+    lock = _claim_workdir(workdir, config, force_new, created)
     try:
         return _train(config, workdir, mesh, interactive, stop, began, force_new)
     finally:

@@ -482,14 +482,19 @@ def _damage_file(kind: str):
              "checkpoint metadata": find("_CHECKPOINT_METADATA"), "manifest": find(MANIFEST)}
     what, how = kind.split(": ")
     action = {"flipped": _flip, "truncated": _truncate, "missing": Path.unlink,
-              "garbled": lambda p: p.write_text("{not json")}[how]
+              "garbled": lambda p: p.write_text("{not json"),
+              # JSON of another shape: files a list, an entry without its size
+              "listed": lambda p: p.write_text('{"files": []}'),
+              "emptied": lambda p: p.write_text(json.dumps(
+                  {"files": {k: None for k in json.loads(p.read_text())["files"]}}))}[how]
     return lambda d: action(files[what](d))
 
 
 @pytest.mark.parametrize("kind", [
     "array data: flipped", "array data: truncated", "array data: missing",
     "ocdbt manifest: flipped", "array metadata: flipped", "record: garbled",
-    "checkpoint metadata: truncated", "manifest: garbled", "manifest: missing"])
+    "checkpoint metadata: truncated", "manifest: garbled", "manifest: missing",
+    "manifest: listed", "manifest: emptied"])
 def test_checkpoint_damage_of_every_kind_is_found_and_skipped(tmp_path, kind):
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=3)
     for step in (1, 2, 3):

@@ -102,6 +102,10 @@ def damage(step_dir: Path) -> str | None:
     """What is wrong with a step's files, or None when they match its manifest."""
     try:
         expected = json.loads((step_dir / MANIFEST).read_text())["files"]
+        if not (isinstance(expected, dict) and all(
+                isinstance(entry, dict) and isinstance(entry.get("size"), int)
+                and isinstance(entry.get("sha256"), str) for entry in expected.values())):
+            raise ValueError("its files are not each a size and a sha256")
     except FileNotFoundError:
         return "it has no manifest: its save did not finish"
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -218,14 +222,17 @@ class Checkpoints:
         if step is None:
             return None
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()))
-        except Exception as e:  # the files are as saved: they belong to another model
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is intact but "
-                                  f"does not restore into this run's model ({_one_line(e)})"
-                                  ) from None
-        return step, restored["state"], restored["record"]
+        with _failure_said_once():
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()))
+            except Exception as e:  # the files are as saved: they belong to another model
+                failure = (f"checkpoint step {step} in {self.directory} is intact but does not "
+                           f"restore into this run's model ({_one_line(e)})")
+            else:
+                return step, restored["state"], restored["record"]
+            gc.collect()   # the failed restore's tasks, while their echoes are dropped
+        raise CheckpointError(failure)
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -806,11 +806,22 @@ def functions_as_of(query, key, mask: Mask, score: Score):
     try:
         closed = [jax.make_jaxpr(lambda *args, fn=fn: fn(*args))(*args)
                   for fn, args in traced]
+        return tuple((str(c.jaxpr), tuple(_value_of(x) for x in c.consts)) for c in closed)
     except Exception:  # noqa: BLE001 (any failure here is the kernel's to report)
+        # e.g. a function that closes over a value traced by the caller's grad or vmap
+        # (the call's q, k and v known): it runs operation by operation, traced there
         return None
-    return tuple((str(c.jaxpr), tuple((np.asarray(x).dtype.str, np.shape(x),
-                                       np.asarray(x).tobytes()) for x in c.consts))
-                 for c in closed)
+
+
+def _value_of(x) -> tuple:
+    """An array a function closes over, by value; a typed PRNG key by its key data."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError("a traced value has no value to compare")
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return ("key", str(jax.random.key_impl(x)), _value_of(jax.random.key_data(x)))
+    x = np.asarray(x)
+    return x.dtype.str, x.shape, x.tobytes()
 
 
 def map_heads(fn, query, key, value, meta, *, rows_first: tuple[bool, ...]):

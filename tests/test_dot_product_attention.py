@@ -307,6 +307,43 @@ def test_the_functions_of_a_call_read_the_state_of_the_moment(rng, implementatio
                                    atol=1e-6)
 
 
+def test_functions_over_traced_values_or_keys_run_again_and_again(rng):
+    """One score_mod shared by two calls (two layers) over a table the caller's grad or
+    vmap traces, the inputs known; and a from_fn over a typed PRNG key, called eagerly
+    again and again: each call runs as the first (the second had failed turning the
+    closed-over tracer or key into NumPy)."""
+    q, k, v = _qkv(rng, t=9, s=9)
+    table = jax.random.normal(jax.random.fold_in(rng, 1), (17, N), q.dtype)
+
+    def twice(table):
+        def mod(s, b, n, i, j):
+            return s + table[i - j + 8, n]
+        return sum(jnp.sum(attnjax.dot_product_attention(q, k, v, score_mod=mod) * w)
+                   for w in (1.0, 0.5))
+
+    def once(table, w):
+        return jnp.sum(attnjax.dot_product_attention(
+            q, k, v, score_mod=lambda s, b, n, i, j: s + table[i - j + 8, n]) * w)
+
+    np.testing.assert_allclose(jax.grad(twice)(table), jax.grad(once)(table, 1.5), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(jax.vmap(twice)(jnp.stack([table, -table])),
+                               [once(table, 1.5), once(-table, 1.5)], rtol=1e-5)
+    before = None
+    for seed in (3, 3, 4):
+        key = jax.random.key(seed)
+        mask = masks.from_fn(lambda b, n, i, j: jax.random.bernoulli(key, 0.5, (9, 9))[i, j]
+                             | (i == j))
+        eager = [attnjax.dot_product_attention(q, k, v, mask=mask) for _ in range(2)]
+        np.testing.assert_array_equal(eager[1], eager[0])
+        np.testing.assert_allclose(eager[0], jax.jit(
+            lambda q: attnjax.dot_product_attention(q, k, v, mask=mask))(q), rtol=1e-6,
+            atol=1e-6)
+        if seed == 4:
+            assert not np.allclose(eager[0], before, atol=1e-3)
+        before = eager[0]
+
+
 @pytest.mark.parametrize("b, t, n, chosen", [
     (32, 64, 4, "dense"),       # a toy task's batch
     (64, 256, 8, "dense"),      # T·S = 256²: dense whatever the batch (its value alone:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from attnjax.toy import cli
@@ -57,6 +58,34 @@ def test_a_damaged_metrics_line_is_dropped_with_what_follows_as_a_torn_one(tmp_p
         assert log.records == RECORDS
         assert path.read_bytes() == valid
         assert warnings == warned
+
+
+def test_records_missing_before_the_resumed_step_are_told(tmp_path):
+    """A metrics.jsonl cut short (mid-line or at a line's end), or deleted, loses
+    records of steps the run resumes after and never writes again: told, with the
+    steps; a killed run's torn line after its last checkpoint's records is not."""
+    rng = np.random.default_rng(7)
+    every = int(rng.integers(2, 6))
+    steps = list(range(every, 12 * every + 1, every))
+    records = [{"step": s, "loss": float(rng.uniform(0.5, 3.0))} for s in steps]
+    lines = [json.dumps(r).encode() + b"\n" for r in records]
+    path = tmp_path / "metrics.jsonl"
+    resume = steps[-1] + int(rng.integers(0, every))   # an interruption between log steps
+    cut = int(rng.integers(2, 8))
+    for text, kept in ((b"".join(lines[:cut]) + lines[cut][:9], cut),   # cut mid-line
+                       (b"".join(lines[:cut]), cut),                    # at a line's end
+                       (None, 0),                                       # deleted
+                       (b"".join(lines) + b'{"step": 9', len(lines))):  # a torn last line
+        path.unlink(missing_ok=True)
+        if text is not None:
+            path.write_bytes(text)
+        warnings = []
+        MetricsLog(path, resume_step=resume, warn=warnings.append, log_every=every).close()
+        last = steps[kept - 1] if kept else 0
+        assert warnings == ([] if kept == len(lines) else [
+            f"{path} holds no records after step {last}: the records of steps {last + 1} to "
+            f"{steps[-1]}, before step {resume} that the run resumes from, are lost (they "
+            f"are not written again)"])
 
 
 @pytest.mark.parametrize("full", ["metrics.jsonl", "events"])

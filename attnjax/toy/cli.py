@@ -541,7 +541,8 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
         if restored is not None:
             state = restored[1]
             stop.saved = start
-        metrics = MetricsLog(workdir / "metrics.jsonl", start, enabled=primary, warn=warn)
+        metrics = MetricsLog(workdir / "metrics.jsonl", start, enabled=primary, warn=warn,
+                             log_every=config.log_every)
         window = _Window(saved.get("window", []))
         best = saved.get("best", {"exact_match": -1.0, "step": None})
         progress = Progress(config.steps, start, interactive, enabled=primary)

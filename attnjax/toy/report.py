@@ -34,12 +34,13 @@ class MetricsLog:
     after the checkpoint the run resumes from), and from a line no run wrote whole on (the
     torn last line of a killed process, or a damaged one); TensorBoard is told to drop its
     events of those steps too. A damaged line that records of kept steps follow is told
-    to `warn` (a torn last line is not). A file that cannot be written raises an OSError
-    naming it.
+    to `warn` (a torn last line is not), and so are records missing before the resumed
+    step, where log_every says which there were (a file cut short, or deleted: they are
+    not written again). A file that cannot be written raises an OSError naming it.
     """
 
     def __init__(self, path: Path, resume_step: int, *, enabled: bool = True,
-                 warn: Callable[[str], None] | None = None):
+                 warn: Callable[[str], None] | None = None, log_every: int | None = None):
         self.path = Path(path)
         self.records = []
         self._file = None
@@ -57,10 +58,18 @@ class MetricsLog:
                         warn(f"{self.path} line {number} is damaged: it and the "
                              f"{len(lost)} records after it (steps {lost[0]['step']} to "
                              f"{lost[-1]['step']}) are dropped")
+                        warn = None   # said
                     break
                 if record["step"] > resume_step:
                     break
                 self.records.append(record)
+        # the last step logged before the resumed one, which the file should hold
+        logged = 0 if not log_every else resume_step - resume_step % log_every
+        last = max((r["step"] for r in self.records), default=0)
+        if last < logged and warn is not None:
+            warn(f"{self.path} holds no records after step {last}: the records of steps "
+                 f"{last + 1} to {logged}, before step {resume_step} that the run resumes "
+                 f"from, are lost (they are not written again)")
         with _naming(self.path):
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))

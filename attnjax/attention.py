@@ -235,8 +235,9 @@ def dot_product_attention(
         key_lengths=key_lengths, window=window)
     score = _score(shape, query.shape[-1], bias, scale, score_mod, sinks, alignment)
     # one example's keys [S, K, H], in bytes
-    key_bytes = key[0].size * key.dtype.itemsize
-    name = _select_implementation(implementation, return_weights, shape, score, key_bytes)
+    key_bytes = int(np.prod(key.shape[1:])) * key.dtype.itemsize
+    typed = _sharded_in_types(query, key, value)
+    name = _select_implementation(implementation, return_weights, shape, score, key_bytes, typed)
     options = _options(shape, name, implementation, dropout_rate, dropout_rng,
                        dropout_broadcast, return_weights, return_residual, block_sizes)
     bound = attention_mask.bind(shape, positions)
@@ -251,7 +252,8 @@ def dot_product_attention(
         computed = _compiles(query, key, value, bound, score, options)
         if computed is not None:
             compute = functools.partial(_compiled_per_head, computed)
-        value_name = _value_kernel(implementation, name, shape, attention_mask, score, options)
+        value_name = (name if typed else
+                      _value_kernel(implementation, name, shape, attention_mask, score, options))
         out, lse, weights = compute(name, query, key, value, bound, score, options,
                                     value_name=value_name)
     if shape.unbatched:
@@ -523,16 +525,38 @@ def _check_alignment(alignment, num_heads: int):
     return score_fn, {name: jnp.asarray(x) for name, x in score_params.items()}
 
 
+def _sharded_in_types(*arrays) -> str | None:
+    """Where the chunked kernel's loops cannot run these arrays: shardings or varying
+    manual axes that are part of their types (its loop carries start as constants,
+    which have neither); None where it can."""
+    for x in arrays:
+        manual = getattr(jax.typeof(x), "manual_axis_type", None)
+        if getattr(manual, "varying", None):
+            return ("inside jax.shard_map with check_vma=True (pass check_vma=False there, "
+                    "as for attnjax's ring attention)")
+        spec = heads.explicit_spec(x)
+        if spec is not None and any(entry is not None for entry in spec):
+            return ("on arrays sharded in their types (a mesh of jax.sharding.AxisType."
+                    "Explicit axes, jax.make_mesh's default under jax.set_mesh; a mesh of "
+                    "Auto axes, as attnjax.parallel.make_mesh makes, runs it)")
+    return None
+
+
 def _select_implementation(implementation, return_weights: bool, shape: Shape,
-                           score: Score, key_bytes: int) -> str:
+                           score: Score, key_bytes: int, typed: str | None = None) -> str:
+    """The kernel of a call. typed: `_sharded_in_types`' reason, where the chunked
+    kernel cannot run (implementation=None then runs the dense one)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, None or jax.nn's 'xla'; got "
             f"{implementation!r}"
         )
+    if implementation == "chunked" and typed:
+        raise ValueError(f"implementation='chunked' does not run {typed}; "
+                         f"implementation='dense' does")
     name = implementation
     if name is None:
-        name = ("dense" if return_weights or score.align is not None
+        name = ("dense" if return_weights or score.align is not None or typed
                 else _auto_kernel(shape.b, shape.t, shape.s, shape.n, key_bytes))
     if return_weights and not _KERNELS.get(name, False):
         raise ValueError(

@@ -60,12 +60,49 @@ def _map_level(fn, size: int, in_axes: list, out_axes: list):
             squeezed.append(jax.tree.map(
                 lambda x, w=whole, a=axis: x if w(x) else lax.squeeze(x, (a,)), arg))
         if size > 1:
+            squeezed = _sharded_alike(squeezed, leaf_axes)
             return jax.vmap(fn, in_axes=tuple(leaf_axes), out_axes=tuple(out_axes))(*squeezed)
         outs = fn(*squeezed)
         return tuple(jax.tree.map(lambda x, a=axis: jnp.expand_dims(x, a), out)
                      for out, axis in zip(outs, out_axes))
 
     return mapped
+
+
+def explicit_spec(x):
+    """x's PartitionSpec where a mesh with Explicit axes (jax.sharding.AxisType, the
+    default of jax.make_mesh under jax.set_mesh) shards it in its type; else None."""
+    sharding = jax.typeof(x).sharding
+    types = getattr(sharding.mesh, "axis_types", ())
+    return sharding.spec if jax.sharding.AxisType.Explicit in types else None
+
+
+def _sharded_alike(args, leaf_axes):
+    """args with every mapped axis sharded as the first mapped leaf's: vmap needs it
+    where shardings are part of the types (a per-example length or index made without
+    a sharding, beside a query whose batch axis is sharded, is resharded to match)."""
+    pairs = [(leaf, axis) for arg, axes in zip(args, leaf_axes) if axes is not None
+             for leaf, axis in zip(jax.tree.leaves(arg),
+                                   jax.tree.leaves(axes, is_leaf=lambda a: a is None))
+             if axis is not None]
+    specs = [explicit_spec(leaf) for leaf, _ in pairs]
+    if not pairs or specs[0] is None:
+        return args
+    leaf, axis = pairs[0]
+    want = tuple(specs[0])[axis] if axis < len(specs[0]) else None
+
+    def align(x, axis):
+        spec = explicit_spec(x)
+        if axis is None or spec is None:
+            return x
+        entries = list(spec) + [None] * (x.ndim - len(spec))
+        if entries[axis] == want:
+            return x
+        entries[axis] = want
+        return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*entries))
+
+    return [arg if axes is None else jax.tree.map(align, arg, axes)
+            for arg, axes in zip(args, leaf_axes)]
 
 
 def in_parts(mapped, batch: int, parts: int):

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
@@ -120,3 +121,47 @@ def test_two_processes_match_one_process(tmp_path, one_device):
     np.testing.assert_allclose(losses, one_device, rtol=0, atol=1e-5)
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
                   if p.name.isdigit()) == [20, 40, 50]
+
+
+def test_attention_on_explicit_meshes_and_inside_shard_map(rng):
+    """jax.make_mesh's default mesh (Explicit axes, shardings in the types) under
+    jax.set_mesh, batch and heads sharded: the dense kernel, None and the modules run
+    as unsharded (a per-example index made without a sharding had failed vmap), and
+    the chunked kernel, whose loops cannot, is a named error; inside jax.shard_map the
+    same with check_vma=True, and chunked runs with check_vma=False."""
+    import attnjax
+    from attnjax import nn
+
+    keys = jax.random.split(rng, 3)
+    q, k, v = (jax.random.normal(key, (4, 6, 4, 8), jnp.float32) for key in keys)
+    expected = attnjax.dot_product_attention(q, k, v, is_causal=True)
+    spec = PartitionSpec("data", None, "model", None)
+    mesh = jax.make_mesh((2, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    module = nn.MultiHeadDotProductAttention(num_heads=4)
+    x = jax.random.normal(keys[0], (4, 6, 16), jnp.float32)
+    variables = module.init(rng, x)
+    with jax.set_mesh(mesh):
+        sq, sk, sv = (jax.device_put(a, spec) for a in (q, k, v))
+        for implementation in ("dense", None):
+            got = jax.jit(lambda a, b, c, i=implementation: attnjax.dot_product_attention(
+                a, b, c, is_causal=True, implementation=i))(sq, sk, sv)
+            np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+        with pytest.raises(ValueError, match=r"implementation='chunked' does not run on arrays "
+                                             r"sharded in their types"):
+            attnjax.dot_product_attention(sq, sk, sv, implementation="chunked")
+        sx = jax.device_put(x, PartitionSpec("data"))
+        np.testing.assert_allclose(jax.jit(module.apply)(variables, sx),
+                                   module.apply(variables, x), rtol=1e-6, atol=1e-6)
+    auto = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    for implementation, check_vma in (("dense", True), ("chunked", False), ("chunked", True)):
+        call = jax.jit(jax.shard_map(
+            lambda a, b, c, i=implementation: attnjax.dot_product_attention(
+                a, b, c, is_causal=True, implementation=i),
+            mesh=auto, in_specs=spec, out_specs=spec, check_vma=check_vma))
+        if check_vma and implementation == "chunked":
+            with pytest.raises(ValueError, match=r"implementation='chunked' does not run inside "
+                                                 r"jax.shard_map with check_vma=True"):
+                call(q, k, v)
+        else:
+            np.testing.assert_allclose(call(q, k, v), expected, rtol=1e-6, atol=1e-6)

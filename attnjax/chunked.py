@@ -587,14 +587,23 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
     bias = None if score.bias is None else pad_axis(
         pad_axis(score.bias, plan.padded_t, -2, broadcast=True), plan.padded_s, -1,
         broadcast=True)
+    # The arrays the user's functions close over become arguments of the custom VJP:
+    # score_mod's, so that their gradients can be returned, and every one, integers
+    # too, so that none is a tracer of a trace the VJP's passes are not in (a from_fn's
+    # ids traced by an enclosing jit, differentiated from outside it).
+    indices = (jnp.int32(0), jnp.int32(0), jnp.zeros((plan.block_q, 1), jnp.int32),
+               jnp.zeros((1, plan.block_k), jnp.int32))
+
+    def mask_function(fn):
+        fn, consts = closure_convert_all(fn, *indices)
+        # laid out as a head's arrays, [1, 1, 1, ...]: every head gets them whole
+        return fn, [jnp.asarray(c)[None, None, None] for c in consts]
+
+    mask = mask.with_functions(mask_function)
     mod, consts = None, []
     if score.mod is not None:
-        # Hoist the arrays score_mod closes over into arguments of the custom VJP, so
-        # that their gradients can be returned.
-        example = (jnp.zeros((plan.block_q, plan.block_k), _logits_dtype(q.dtype)),
-                   jnp.int32(0), jnp.int32(0), jnp.zeros((plan.block_q, 1), jnp.int32),
-                   jnp.zeros((1, plan.block_k), jnp.int32))
-        mod, consts = closure_convert(score.mod, *example)
+        example = (jnp.zeros((plan.block_q, plan.block_k), _logits_dtype(q.dtype)), *indices)
+        mod, consts = closure_convert_all(score.mod, *example)
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
     near = _near(plan, facts, given_q, given_k, score.scale, norms)
     return plan, q, k, v, bias, mask, table, mod, list(consts), facts, near
@@ -605,6 +614,22 @@ def closure_convert(fn, *example_args):
     per function, and a kept one holds what the user's function read when it was first
     traced (a Python number it closes over), which a later trace must read again."""
     return jax.closure_convert(lambda *args: fn(*args), *example_args)
+
+
+def closure_convert_all(fn, *example_args):
+    """`(converted, consts)`: fn traced on example_args, and every array it closes over
+    made an argument, `converted(*args, *consts)` (`jax.closure_convert` keeps the
+    integer ones closed over, which may be tracers of an enclosing trace)."""
+    closed, shapes = jax.make_jaxpr(lambda *args: fn(*args), return_shape=True)(
+        *example_args)
+    out_tree, count = jax.tree.structure(shapes), len(example_args)
+
+    def converted(*args_and_consts):
+        args, consts = args_and_consts[:count], args_and_consts[count:]
+        out = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(out_tree, out)
+
+    return converted, list(closed.consts)
 
 
 def _rows_first(x, t: int):

@@ -497,19 +497,22 @@ def slice_block(x, row, rows: int, col, cols: int):
     return x
 
 
-@_pytree.dataclass(meta=("fn",))
+@_pytree.dataclass(data=("consts",), meta=("fn",))
 class FromFn(Rule):
     """A rule given by a function of the indices, like FlexAttention's `mask_mod`.
 
     `fn(b, n, q_pos, k_pos) -> bool`, elementwise (FlexAttention's `mask_mod`): b and
     n are int32 scalars, q_pos `[bq, 1]` and k_pos `[1, bk]`. Every block is PARTIAL:
-    combine it with a structural rule (`causal() & from_fn(f)`) for block skipping."""
+    combine it with a structural rule (`causal() & from_fn(f)`) for block skipping.
+    consts: arrays fn takes after those four, where a kernel has made the arrays it
+    closes over its arguments (`Mask.with_functions`)."""
 
     fn: Callable
+    consts: tuple = ()
     kind = "from_fn"
 
     def visible(self, at):
-        out = jnp.asarray(self.fn(at.b, at.n, at.q_pos, at.k_pos))
+        out = jnp.asarray(self.fn(at.b, at.n, at.q_pos, at.k_pos, *self.consts))
         if out.dtype != jnp.bool_:
             raise TypeError(f"from_fn's function must return booleans; got dtype {out.dtype}")
         grid = jnp.broadcast_shapes(at.q_pos.shape, at.k_pos.shape)
@@ -672,6 +675,11 @@ class Mask:
         """The user's functions in the rule tree (`from_fn`'s), in order."""
         return tuple(_functions(self.rule))
 
+    def with_functions(self, convert) -> Mask:
+        """This mask with each `from_fn` function fn replaced: `convert(fn)` gives a
+        function of the four indices and then some arrays, and those arrays."""
+        return dataclasses.replace(self, rule=_with_functions(self.rule, convert))
+
     def key_side(self) -> list:
         """The arrays indexed by key — key positions, then the rules' key-side arrays —
         that travel with a key/value shard from device to device (ring attention)."""
@@ -702,6 +710,16 @@ def _rules(rule: Rule):
 
 def _functions(rule: Rule) -> list:
     return [r.fn for r in _rules(rule) if isinstance(r, FromFn)]
+
+
+def _with_functions(rule: Rule, convert) -> Rule:
+    if isinstance(rule, FromFn):
+        fn, consts = convert(rule.fn)
+        return FromFn(fn, tuple(consts))
+    updates = {field.name: _with_functions(getattr(rule, field.name), convert)
+               for field in dataclasses.fields(rule)
+               if isinstance(getattr(rule, field.name), Rule)}
+    return dataclasses.replace(rule, **updates) if updates else rule
 
 
 def _key_arrays(rule: Rule) -> list:

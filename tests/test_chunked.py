@@ -304,3 +304,38 @@ def test_heads_in_groups_equal_all_heads_at_once(monkeypatch, n, k):
     split = jax.jit(jax.grad(run, argnums=range(6), has_aux=True))(q, key, v, bias, sinks, slopes)
     for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(together)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_functions_over_arrays_an_enclosing_jit_traces_train_in_every_pattern():
+    """A document mask whose from_fn reads segment ids the caller's jit traces (and a
+    score_mod reading integer ids), differentiated from outside that jit, under
+    jax.checkpoint and in a lax.scan over layers: the chunked kernel's gradients equal
+    the dense kernel's (it had failed: the integer ids stayed closed over inside its
+    custom VJP, a tracer of a trace its passes are not in)."""
+    q, k, v, _ = _inputs(31, 2, 16, 16, 2, 2, 8, 8)
+    ids = jnp.asarray(np.random.default_rng(32).integers(0, 3, (2, 16)), jnp.int32)
+    offsets = jnp.asarray(np.random.default_rng(33).integers(-2, 3, (2,)), jnp.int32)
+
+    def layer(q, ids, implementation):
+        mask = masks.causal() & masks.from_fn(
+            lambda b, n, i, j: ids[b][i] == ids[b][j])
+        mod = lambda s, b, n, i, j: s + (offsets[b] * (i - j)).astype(s.dtype) / 8  # noqa: E731
+        return attnjax.dot_product_attention(q, k, v, mask=mask, score_mod=mod,
+                                             implementation=implementation)
+
+    def loss(implementation, pattern):
+        def f(q, ids):
+            if pattern == "checkpoint":
+                return jnp.sum(jax.checkpoint(layer, static_argnums=2)(q, ids, implementation))
+            if pattern == "scan":
+                out, _ = jax.lax.scan(lambda x, _: (layer(x, ids, implementation), None), q,
+                                      None, length=2)
+                return jnp.sum(out)
+            return jnp.sum(jax.jit(layer, static_argnums=2)(q, ids, implementation))
+        return f
+
+    for pattern in ("grad of jit", "checkpoint", "scan"):
+        grads = {implementation: jax.jit(jax.grad(loss(implementation, pattern)))(q, ids)
+                 if pattern != "grad of jit" else jax.grad(loss(implementation, pattern))(q, ids)
+                 for implementation in ("dense", "chunked")}
+        np.testing.assert_allclose(grads["chunked"], grads["dense"], rtol=1e-5, atol=1e-5)

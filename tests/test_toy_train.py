@@ -329,7 +329,8 @@ def test_quick_compilation_leaves_out_an_option_xla_does_not_know(monkeypatch,
     assert bool(check(x)) and not bool(check(np.where(np.arange(5) == 2, np.nan, x)))
 
 
-def test_the_command_line_keeps_compiled_programs_in_the_user_cache(tmp_path, monkeypatch):
+def test_the_command_line_keeps_compiled_programs_in_the_user_cache(tmp_path, monkeypatch,
+                                                                     capsys):
     """Without JAX_COMPILATION_CACHE_DIR, compiled programs go to the user's cache
     directory; with it, to that directory; JAX_ENABLE_COMPILATION_CACHE=false: nowhere."""
     before = (jax.config.jax_compilation_cache_dir,
@@ -344,6 +345,23 @@ def test_the_command_line_keeps_compiled_programs_in_the_user_cache(tmp_path, mo
         assert cli.use_compilation_cache() == tmp_path / "chosen"
         jax.config.update("jax_enable_compilation_cache", False)
         assert cli.use_compilation_cache() is None
+        # a directory that cannot be written (a read-only mount) turns the cache off,
+        # saying so once where it was chosen, not jax's warning at every program
+        real_access = os.access
+        monkeypatch.setattr(cli.os, "access", lambda path, mode: not str(path).startswith(
+            str(tmp_path / "read-only")) and real_access(path, mode))
+        for chosen in (True, False):
+            jax.config.update("jax_enable_compilation_cache", True)
+            if chosen:
+                monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "read-only"))
+            else:
+                monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+                monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "read-only"))
+            assert cli.use_compilation_cache() is None
+            assert not jax.config.jax_enable_compilation_cache
+            said = capsys.readouterr().err
+            assert said == (f"warning: JAX_COMPILATION_CACHE_DIR={tmp_path / 'read-only'} "
+                            f"cannot be written; programs are compiled anew\n" if chosen else "")
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
         jax.config.update("jax_compilation_cache_dir", before[0])

@@ -684,17 +684,27 @@ def use_compilation_cache() -> Path | None:
     run of the same shapes skips most of its compilation: in $JAX_COMPILATION_CACHE_DIR
     when that is set (jax reads it), else in the user's cache directory
     ($XDG_CACHE_HOME or ~/.cache, then attnjax/jax). JAX_ENABLE_COMPILATION_CACHE=false
-    turns it off. Returns the directory used, or None."""
+    turns it off. A directory that cannot be written turns it off too (jax would warn
+    at every program), saying so where it was chosen. Returns the directory used, or
+    None."""
     if not jax.config.jax_enable_compilation_cache:
         return None
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    chosen = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    directory = user_cache / "attnjax" / "jax"
+    directory = Path(chosen) if chosen else user_cache / "attnjax" / "jax"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-    except OSError:  # no writable home: every run compiles
+        writable = os.access(directory, os.W_OK | os.X_OK)
+    except OSError:
+        writable = False
+    if not writable:   # a read-only or missing home, say: every run compiles
+        jax.config.update("jax_enable_compilation_cache", False)
+        if chosen:
+            print(f"warning: JAX_COMPILATION_CACHE_DIR={chosen} cannot be written; "
+                  f"programs are compiled anew", file=sys.stderr, flush=True)
         return None
+    if chosen:
+        return directory
     jax.config.update("jax_compilation_cache_dir", str(directory))
     # programs that compile faster than this are not worth a file
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)

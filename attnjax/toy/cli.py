@@ -233,7 +233,7 @@ def _workdir_error(workdir: Path, error: OSError, kept: str) -> Exception:
 
 
 def _claim_workdir(workdir: Path, config: Config, force_new: bool,
-                   created: bool) -> int | None:
+                   created: bool = False) -> int | None:
     """Makes, locks and checks the workdir of a run; the lock's descriptor, or None in a
     process other than the first (which holds the lock for all). Nothing in it changes
     yet: `_begin_run` does that once the run has started (see there). created: the

@@ -526,14 +526,10 @@ def _check_alignment(alignment, num_heads: int):
 
 
 def _sharded_in_types(*arrays) -> str | None:
-    """Where the chunked kernel's loops cannot run these arrays: shardings or varying
-    manual axes that are part of their types (its loop carries start as constants,
-    which have neither); None where it can."""
+    """Where the chunked kernel's loops cannot run these arrays: shardings that are part
+    of their types (its loop carries start as constants, which have none); None where
+    it can."""
     for x in arrays:
-        manual = getattr(jax.typeof(x), "manual_axis_type", None)
-        if getattr(manual, "varying", None):
-            return ("inside jax.shard_map with check_vma=True (pass check_vma=False there, "
-                    "as for attnjax's ring attention)")
         spec = heads.explicit_spec(x)
         if spec is not None and any(entry is not None for entry in spec):
             return ("on arrays sharded in their types (a mesh of jax.sharding.AxisType."

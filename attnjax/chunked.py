@@ -196,6 +196,34 @@ def _seen(visible):
     return jnp.any(visible, axis=1), jnp.any(visible, axis=0)
 
 
+def _varying(x) -> frozenset:
+    """The manual axes (inside jax.shard_map with check_vma) x varies over."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", None) or ())
+
+
+def _varying_as(tree, *refs):
+    """tree's leaves varying over every manual axis any leaf of refs varies over: a
+    loop's carry, made of constants, has the type of what its body computes from
+    them (inside jax.shard_map with check_vma; elsewhere tree as it is)."""
+    axes = frozenset().union(*map(_varying, jax.tree.leaves(refs)))
+
+    def cast(x):
+        missing = tuple(sorted(axes - _varying(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree) if axes else tree
+
+
+def _as_primal(cotangent, primal):
+    """A cotangent summed over the manual axes its primal does not vary over (a value
+    every shard shares gets the sum of their gradients, as autodiff gives it)."""
+    if cotangent is None:
+        return None
+    missing = tuple(sorted(_varying(cotangent) - _varying(primal)))
+    return lax.psum(cotangent, missing) if missing else cotangent
+
+
 def _visit(visits, step, init):
     """`step(index, carry, masked, near)` over the listed blocks of each kind (`_kinds`).
     visits: `_visits`' pairs of one row or column."""
@@ -368,6 +396,7 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
              else jnp.exp(jnp.broadcast_to(start, rows_shape) - row_max)),
             jnp.zeros(rows_shape + (v.shape[-1],), acc_dtype),
         )
+        init = _varying_as(init, q_i, k, v, mask, bias, sinks, consts, dropout_key)
         # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, V]
         row_max, row_sum, acc = _visit(visits, step, init)
         seen = row_sum > 0
@@ -484,17 +513,21 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
 
         d_q, d_bias, d_consts = carry
         # [B, K, G, ·, bk]: every query head's share of the block's gradients, transposed
-        init = (d_q, d_bias, d_consts,
-                jnp.zeros(sizes + (k.shape[-1], plan.block_k), acc_dtype),
-                jnp.zeros(sizes + (v.shape[-1], plan.block_k), acc_dtype))
-        d_q, d_bias, d_consts, d_k, d_v = _visit(visits, step, init)
+        d_k, d_v = _varying_as(
+            (jnp.zeros(sizes + (k.shape[-1], plan.block_k), acc_dtype),
+             jnp.zeros(sizes + (v.shape[-1], plan.block_k), acc_dtype)), *inputs)
+        d_q, d_bias, d_consts, d_k, d_v = _visit(visits, step, (d_q, d_bias, d_consts, d_k, d_v))
         # The G query heads of a group share its keys and values: [B, bk, K, ·]
         d_k, d_v = (jnp.moveaxis(x.sum(axis=2), 3, 1) for x in (d_k, d_v))
         return (d_q, d_bias, d_consts), (d_k, d_v)
 
-    init = (jnp.zeros(q.shape, acc_dtype),
-            None if bias is None else jnp.zeros(bias.shape, acc_dtype),
-            [jnp.zeros(c.shape, c.dtype if ok else acc_dtype)
+    # Inside jax.shard_map the accumulators vary as the inputs do, but score_mod's
+    # arrays' gradients as those arrays (each block's is summed over the devices where
+    # they are shared: the transpose of their broadcast in score_mod's jaxpr).
+    inputs = (q, k, v, d_out, mask, bias, dropout_key)
+    init = (_varying_as(jnp.zeros(q.shape, acc_dtype), *inputs),
+            None if bias is None else _varying_as(jnp.zeros(bias.shape, acc_dtype), *inputs),
+            [_varying_as(jnp.zeros(c.shape, c.dtype if ok else acc_dtype), c)
              for c, ok in zip(consts, differentiable)])
     xs = (jnp.arange(plan.num_k_blocks, dtype=jnp.int32),) + tuple(cols)
     # d_k, d_v: [nk, B, bk, K, ·]
@@ -558,10 +591,12 @@ def _kernel(plan: _Plan, mod, facts: _Facts):
         d_q, d_k, d_v, d_bias, d_sinks, d_consts = _backward(
             plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, out, lse,
             d_out, d_lse, facts)
-        return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
-                None if bias is None else d_bias.astype(bias.dtype),
-                None if sinks is None else d_sinks.astype(sinks.dtype),
-                [None if d is None else d.astype(c.dtype) for d, c in zip(d_consts, consts)],
+        return (_as_primal(d_q.astype(q.dtype), q), _as_primal(d_k.astype(k.dtype), k),
+                _as_primal(d_v.astype(v.dtype), v),
+                None if bias is None else _as_primal(d_bias.astype(bias.dtype), bias),
+                None if sinks is None else _as_primal(d_sinks.astype(sinks.dtype), sinks),
+                [None if d is None else _as_primal(d.astype(c.dtype), c)
+                 for d, c in zip(d_consts, consts)],
                 None, None, None, None)
 
     attend.defvjp(forward, backward)
@@ -602,7 +637,10 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
     mask = mask.with_functions(mask_function)
     mod, consts = None, []
     if score.mod is not None:
-        example = (jnp.zeros((plan.block_q, plan.block_k), _logits_dtype(q.dtype)), *indices)
+        # logits of q and k's type (inside jax.shard_map: varying as they vary)
+        logits = _varying_as(jnp.zeros((plan.block_q, plan.block_k), _logits_dtype(q.dtype)),
+                             q, k)
+        example = (logits, *indices)
         mod, consts = closure_convert_all(score.mod, *example)
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
     near = _near(plan, facts, given_q, given_k, score.scale, norms)
@@ -617,19 +655,24 @@ def closure_convert(fn, *example_args):
 
 
 def closure_convert_all(fn, *example_args):
-    """`(converted, consts)`: fn traced on example_args, and every array it closes over
-    made an argument, `converted(*args, *consts)` (`jax.closure_convert` keeps the
-    integer ones closed over, which may be tracers of an enclosing trace)."""
+    """`(converted, traced)`: fn traced on example_args, with every value it closes over
+    that an enclosing trace traces made an argument, `converted(*args, *traced)`
+    (`jax.closure_convert` keeps the integer ones closed over); known arrays stay
+    constants of the program."""
     closed, shapes = jax.make_jaxpr(lambda *args: fn(*args), return_shape=True)(
         *example_args)
     out_tree, count = jax.tree.structure(shapes), len(example_args)
+    is_traced = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+    known = [c for c, t in zip(closed.consts, is_traced) if not t]
 
-    def converted(*args_and_consts):
-        args, consts = args_and_consts[:count], args_and_consts[count:]
+    def converted(*args_and_traced):
+        args, traced = args_and_traced[:count], iter(args_and_traced[count:])
+        known_ = iter(known)
+        consts = [next(traced) if t else next(known_) for t in is_traced]
         out = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(args))
         return jax.tree.unflatten(out_tree, out)
 
-    return converted, list(closed.consts)
+    return converted, [c for c, t in zip(closed.consts, is_traced) if t]
 
 
 def _rows_first(x, t: int):

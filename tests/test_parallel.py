@@ -2,6 +2,7 @@
 processes on 127.0.0.1 (gloo), each matching a one-device run step for step. (One of
 two processes killed or signalled: test_faults.py.)"""
 
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -127,8 +128,9 @@ def test_attention_on_explicit_meshes_and_inside_shard_map(rng):
     """jax.make_mesh's default mesh (Explicit axes, shardings in the types) under
     jax.set_mesh, batch and heads sharded: the dense kernel, None and the modules run
     as unsharded (a per-example index made without a sharding had failed vmap), and
-    the chunked kernel, whose loops cannot, is a named error; inside jax.shard_map the
-    same with check_vma=True, and chunked runs with check_vma=False."""
+    the chunked kernel, whose loops cannot, is a named error. Inside jax.shard_map
+    with check_vma on, the chunked kernel too (its loop carries, constants, had no
+    varying axes; its gradients of shared arrays are summed over the devices)."""
     import attnjax
     from attnjax import nn
 
@@ -153,15 +155,34 @@ def test_attention_on_explicit_meshes_and_inside_shard_map(rng):
         sx = jax.device_put(x, PartitionSpec("data"))
         np.testing.assert_allclose(jax.jit(module.apply)(variables, sx),
                                    module.apply(variables, x), rtol=1e-6, atol=1e-6)
+    # inside shard_map, check_vma on or off: values and gradients (of the sharded
+    # inputs, of sinks split by heads, of a replicated bias and of a replicated table
+    # a score_mod reads) equal the unsharded call's
     auto = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    for implementation, check_vma in (("dense", True), ("chunked", False), ("chunked", True)):
-        call = jax.jit(jax.shard_map(
-            lambda a, b, c, i=implementation: attnjax.dot_product_attention(
-                a, b, c, is_causal=True, implementation=i),
-            mesh=auto, in_specs=spec, out_specs=spec, check_vma=check_vma))
-        if check_vma and implementation == "chunked":
-            with pytest.raises(ValueError, match=r"implementation='chunked' does not run inside "
-                                                 r"jax.shard_map with check_vma=True"):
-                call(q, k, v)
-        else:
-            np.testing.assert_allclose(call(q, k, v), expected, rtol=1e-6, atol=1e-6)
+    sinks = jax.random.normal(keys[1], (4,), jnp.float32)
+    bias = jax.random.normal(keys[2], (6, 6), jnp.float32)
+    table = jax.random.normal(keys[0], (11,), jnp.float32)
+
+    def attend(q, k, v, sinks, bias, table, implementation):
+        return attnjax.dot_product_attention(
+            q, k, v, is_causal=True, sinks=sinks, bias=bias, implementation=implementation,
+            score_mod=lambda s, b, n, i, j: s + table[i - j + 5], block_sizes=(
+                (4, 4) if implementation == "chunked" else None))
+
+    def loss(q, k, v, sinks, bias, table, implementation, check_vma):
+        inner = functools.partial(attend, implementation=implementation)
+        if check_vma is not None:
+            inner = jax.shard_map(inner, mesh=auto, in_specs=(spec, spec, spec,
+                                  PartitionSpec("model"), PartitionSpec(), PartitionSpec()),
+                                  out_specs=spec, check_vma=check_vma)
+        out = inner(q, k, v, sinks, bias, table)
+        return jnp.sum(out * jnp.sin(out))
+
+    args = (q, k, v, sinks, bias, table)
+    expected = jax.grad(loss, argnums=range(6))(*args, "dense", None)
+    for implementation in ("dense", "chunked"):
+        for check_vma in (True, False):
+            got = jax.jit(jax.grad(loss, argnums=range(6)), static_argnums=(6, 7))(
+                *args, implementation, check_vma)
+            for g, e in zip(got, expected):
+                np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)

@@ -243,3 +243,15 @@ def test_a_checkpoint_that_does_not_restore_is_said_once(tmp_path, monkeypatch, 
     checkpoints.close()
     assert [r.getMessage() for r in caplog.records if r.exc_info] == []
     assert [str(u.exc_value) for u in unraisable] == []
+
+
+def test_orbax_s_echo_of_a_stop_of_several_processes_is_not_logged(caplog):
+    """A signal to a run of several processes ends it with one line: orbax's own warning
+    of the step where they stop together is dropped, and only it."""
+    from orbax.checkpoint._src.multihost import multihost
+
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        multihost._maybe_log_reached_preemption(int(np.random.default_rng().integers(1, 99)),
+                                                True)
+        logging.getLogger("absl").warning("another warning")
+    assert [r.getMessage() for r in caplog.records] == ["another warning"]

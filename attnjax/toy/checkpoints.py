@@ -33,6 +33,15 @@ MANIFEST = "manifest.json"
 DAMAGED = "checkpoints.damaged"
 
 
+def _not_preemption_echo(record: logging.LogRecord) -> bool:
+    """Drops orbax's warning that a run of several processes reached the step at which a
+    signal stops them: the run says so itself, in its one line."""
+    return "Reached preemption sync point" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_not_preemption_echo)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or an intact one does not restore."""
 

@@ -622,8 +622,8 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
     bias = None if score.bias is None else pad_axis(
         pad_axis(score.bias, plan.padded_t, -2, broadcast=True), plan.padded_s, -1,
         broadcast=True)
-    # The arrays the user's functions close over become arguments of the custom VJP:
-    # score_mod's, so that their gradients can be returned, and every one, integers
+    # The traced arrays the user's functions close over become arguments of the custom
+    # VJP: score_mod's, so that their gradients can be returned, and every one, integers
     # too, so that none is a tracer of a trace the VJP's passes are not in (a from_fn's
     # ids traced by an enclosing jit, differentiated from outside it).
     indices = (jnp.int32(0), jnp.int32(0), jnp.zeros((plan.block_q, 1), jnp.int32),

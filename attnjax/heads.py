@@ -88,7 +88,7 @@ def _sharded_alike(args, leaf_axes):
     specs = [explicit_spec(leaf) for leaf, _ in pairs]
     if not pairs or specs[0] is None:
         return args
-    leaf, axis = pairs[0]
+    axis = pairs[0][1]
     want = tuple(specs[0])[axis] if axis < len(specs[0]) else None
 
     def align(x, axis):

@@ -129,6 +129,20 @@ def test_decode_step_by_step_equals_full_causal_and_flax(inputs):
     np.testing.assert_allclose(jnp.concatenate(chunks, 1), full, atol=ATOL)
 
 
+def test_every_setting_flax_s_module_keeps_is_kept_alike():
+    """Code that reads a setting back from flax's module (qkv_promote_dtype,
+    out_dot_general, ...) reads the same from attnjax's; attention_fn alone differs (its
+    default, None, is attnjax's engine; flax's, flax's function)."""
+    kw = dict(num_heads=4, in_features=D, in_kv_features=DKV, num_kv_heads=2,
+              out_dot_general=jax.lax.dot_general, qkv_promote_dtype=lambda *xs, **k: xs)
+    flax_mha, ours = _pair(int(RNG.integers(100)), **kw)
+    settings = {name: value for name, value in vars(flax_mha).items()
+                if not name.startswith("_") and name != "attention_fn"
+                and not isinstance(value, (nnx.Variable, nnx.Module))}
+    assert {"qkv_promote_dtype", "out_dot_general", "head_dim", "num_kv_heads"} <= set(settings)
+    assert {name: getattr(ours, name, "missing") for name in settings} == settings
+
+
 def test_view_sizes_a_missing_cache_and_keeps_an_existing_one(inputs):
     """nnx.view(decode=True, batch_size=..., max_length=...) sizes a cache init_cache has
     not, and needs both only then: on a sized cache (flax: any) it only sets decode."""

@@ -142,6 +142,14 @@ class MultiHeadAttention(nnx.Module):
         self.attention_fn = attention_fn
         self.decode = decode
         self.normalize_qk = normalize_qk
+        # read back as flax's module keeps them
+        self.qkv_promote_dtype = qkv_promote_dtype
+        self.out_promote_dtype = out_promote_dtype
+        self.ln_promote_dtype = ln_promote_dtype
+        self.qkv_dot_general = qkv_dot_general
+        self.out_dot_general = out_dot_general
+        self.qkv_dot_general_cls = qkv_dot_general_cls
+        self.out_dot_general_cls = out_dot_general_cls
         self.is_causal = is_causal
         self.window = window
         self.score = score

@@ -190,59 +190,55 @@ class _InFlight:
         self.loop.call_soon_threadsafe(lambda: None)
 
 
-def _failing_in_flight(error: Exception):
-    """An orbax (de)serialization that fails, leaving an operation in flight."""
+def _failing(monkeypatch, name: str, error: Exception):
+    """orbax's (de)serialization `name` made to fail with error, leaving an operation in
+    flight; returns `echoes(caplog)`: what was logged with a traceback, or reported as
+    unraisable, since."""
+    from orbax.checkpoint._src.serialization import serialization
+
     async def fail(*args, **kwargs):
         loop = asyncio.new_event_loop()
         loop.close()
         _InFlight(loop)
         raise error
 
-    return fail
+    monkeypatch.setattr(serialization, name, fail)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    return lambda caplog: ([r.getMessage() for r in caplog.records if r.exc_info]
+                           + [str(u.exc_value) for u in unraisable])
 
 
 def test_a_failed_checkpoint_save_is_said_once(tmp_path, monkeypatch, caplog):
     """A write that fails in orbax's threads (a full disk): save raises one
     CheckpointError, without orbax's threads logging it again with a traceback, or the
     writes still in flight each reporting orbax's closed event loop."""
-    from orbax.checkpoint._src.serialization import serialization
-
-    full_disk = _failing_in_flight(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
-
-    monkeypatch.setattr(serialization, "async_serialize_from_host", full_disk)
-    unraisable = []
-    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    echoes = _failing(monkeypatch, "async_serialize_from_host",
+                      OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=3)
     with caplog.at_level(logging.INFO), pytest.raises(
             CheckpointError, match=r"^cannot save the checkpoint of step 1 in .*: OSError: "
                                    r"\[Errno 28\] No space left on device$"):
         checkpoints.save(1, {"w": jnp.ones((3, 5), jnp.float32)}, {"step": 1})
     checkpoints.close()
-    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
-    assert [str(u.exc_value) for u in unraisable] == []
+    assert echoes(caplog) == []
 
 
 def test_a_checkpoint_that_does_not_restore_is_said_once(tmp_path, monkeypatch, caplog):
     """A checkpoint of another model (a hand-edited config.yaml, another run's files):
     restore raises one CheckpointError, without orbax's reads in flight each reporting
     its closed event loop (dozens of tracebacks) or its threads logging it again."""
-    from orbax.checkpoint._src.serialization import serialization
-
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=3)
     checkpoints.save(4, {"w": jnp.ones((3, 5), jnp.float32)}, {"step": 4})
     checkpoints.close()
-    monkeypatch.setattr(serialization, "async_deserialize",
-                        _failing_in_flight(ValueError("shape (3, 5) is not (3, 6)")))
-    unraisable = []
-    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    echoes = _failing(monkeypatch, "async_deserialize", ValueError("shape (3, 5) is not (3, 6)"))
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=3)
     with caplog.at_level(logging.INFO), pytest.raises(
             CheckpointError, match=r"^checkpoint step 4 in .* is intact but does not restore "
                                    r"into this run's model \(ValueError: .*\)$"):
         checkpoints.restore_latest({"w": jnp.ones((3, 6), jnp.float32)})
     checkpoints.close()
-    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
-    assert [str(u.exc_value) for u in unraisable] == []
+    assert echoes(caplog) == []
 
 
 def test_orbax_s_echo_of_a_stop_of_several_processes_is_not_logged(caplog):

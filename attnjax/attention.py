@@ -128,10 +128,12 @@ def dot_product_attention(
       key: `[B, S, K, H]` (or `[S, K, H]`); K must divide N.
       value: `[B, S, K, V]` (or `[S, K, V]`); same dtype as query and key.
       bias: float, broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched, or jax.nn's
-        `[1, N, T, S]`); added to the logits. Use it for additive masks and relative-position biases.
+        `[1, N, T, S]`); added to the logits. Use it for additive masks and
+        relative-position biases.
       mask: an `attnjax.Mask` (`attnjax.masks.causal() & masks.segments(ids)`, ...)
         or a bool array broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched, or
-        `[1, N, T, S]`), True = may attend. A float array is a TypeError: pass additive values as bias.
+        `[1, N, T, S]`), True = may attend. A float array is a TypeError: pass
+        additive values as bias.
       scale: logit scale; 1/√H when None. A number or a 0-d array, checked to lie in
         [1.2e-38, 1e4]; under jit or grad it may be traced (not checked then), as a
         learned temperature.
@@ -139,10 +141,10 @@ def dot_product_attention(
         sees every key. The usual triangle when T = S, and right for a KV-cache step or
         chunked prefill (T < S). `jax.nn.dot_product_attention` aligns top-left
         (j ≤ i) instead: see causal_alignment. Same as `mask=masks.causal()`.
-      query_lengths: int `[B]` (`[]` or `[1]` unbatched), the valid query lengths; query rows at
-        or past the length are padding and give zeros.
-      key_lengths: int `[B]` (`[]` or `[1]` unbatched), the valid key lengths; keys at or past
-        the length are never attended to.
+      query_lengths: int `[B]` (`[]` or `[1]` unbatched), the valid query lengths;
+        query rows at or past the length are padding and give zeros.
+      key_lengths: int `[B]` (`[]` or `[1]` unbatched), the valid key lengths; keys at
+        or past the length are never attended to.
       window: `(left, right)` or an int w for `(w, w)`: query i sees key j when
         i' − left ≤ j ≤ i' + right, with i' = i + (S − T) its position.
       positions: `(query_positions, key_positions)`, int `[B, T]` and `[B, S]` (or

@@ -221,7 +221,8 @@ def dot_product_attention(
                           key_value_seq_lengths)
     window = _one_of("window", window, "local_window_size", local_window_size)
     # Python lists and numbers too, as jax.nn takes them
-    bias, query_lengths, key_lengths = (_as_array(x) for x in (bias, query_lengths, key_lengths))
+    bias, query_lengths, key_lengths = (_as_array(name, x) for name, x in (
+        ("bias", bias), ("query_lengths", query_lengths), ("key_lengths", key_lengths)))
     if implementation == "xla":
         # jax.nn's name for plain XLA, which both of attnjax's own kernels are.
         implementation = None
@@ -318,11 +319,15 @@ def _one_of(name: str, value, alias: str, alias_value):
     return alias_value
 
 
-def _as_array(x):
-    """A list, tuple or Python number as a NumPy array; anything else as given (its
-    checks name what is wrong)."""
+def _as_array(name: str, x):
+    """A list, tuple (of numbers or jax values, traced too) or Python number as an
+    array; anything else as given (its checks name what is wrong)."""
     if isinstance(x, (list, tuple, int, float)) and not isinstance(x, bool):
-        return np.asarray(x)
+        try:
+            return jnp.asarray(x)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be an array, or a list of numbers of one shape; "
+                            f"got {type(x).__name__} {str(x)[:60]}") from None
     return x
 
 

@@ -198,8 +198,16 @@ def _seen(visible):
 
 def _varying(x) -> frozenset:
     """The manual axes (inside jax.shard_map with check_vma) x varies over."""
+    if isinstance(x, _Varies):
+        return x.axes
     manual = getattr(jax.typeof(x), "manual_axis_type", None)
     return frozenset(getattr(manual, "varying", None) or ())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Varies:
+    """A stand-in for an array that varies over these manual axes (`_varying_as`)."""
+    axes: frozenset
 
 
 def _varying_as(tree, *refs):
@@ -626,8 +634,11 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
     # VJP: score_mod's, so that their gradients can be returned, and every one, integers
     # too, so that none is a tracer of a trace the VJP's passes are not in (a from_fn's
     # ids traced by an enclosing jit, differentiated from outside it).
-    indices = (jnp.int32(0), jnp.int32(0), jnp.zeros((plan.block_q, 1), jnp.int32),
-               jnp.zeros((1, plan.block_k), jnp.int32))
+    # (traced on indices of the types of the mask's: inside jax.shard_map, varying as
+    # they vary, so that the jaxpr's operations take what they will be given)
+    indices = (_varying_as(jnp.int32(0), mask.example), _varying_as(jnp.int32(0), mask.head),
+               _varying_as(jnp.zeros((plan.block_q, 1), jnp.int32), mask.q_positions),
+               _varying_as(jnp.zeros((1, plan.block_k), jnp.int32), mask.k_positions))
 
     def mask_function(fn):
         fn, consts = closure_convert_all(fn, *indices)
@@ -639,7 +650,7 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
     if score.mod is not None:
         # logits of q and k's type (inside jax.shard_map: varying as they vary)
         logits = _varying_as(jnp.zeros((plan.block_q, plan.block_k), _logits_dtype(q.dtype)),
-                             q, k)
+                             q, k, bias, mask)
         example = (logits, *indices)
         mod, consts = closure_convert_all(score.mod, *example)
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
@@ -664,12 +675,16 @@ def closure_convert_all(fn, *example_args):
     out_tree, count = jax.tree.structure(shapes), len(example_args)
     is_traced = [isinstance(c, jax.core.Tracer) for c in closed.consts]
     known = [c for c, t in zip(closed.consts, is_traced) if not t]
+    # inside jax.shard_map: the manual axes each example argument varies over, which the
+    # jaxpr's operations expect of what they are given
+    varying = [_varying(x) for x in jax.tree.leaves(example_args)]
 
     def converted(*args_and_traced):
         args, traced = args_and_traced[:count], iter(args_and_traced[count:])
         known_ = iter(known)
         consts = [next(traced) if t else next(known_) for t in is_traced]
-        out = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(args))
+        leaves = [_varying_as(x, _Varies(axes)) for x, axes in zip(jax.tree.leaves(args), varying)]
+        out = jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves)
         return jax.tree.unflatten(out_tree, out)
 
     return converted, [c for c, t in zip(closed.consts, is_traced) if t]

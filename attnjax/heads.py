@@ -92,9 +92,11 @@ def _sharded_alike(args, leaf_axes):
     want = tuple(specs[0])[axis] if axis < len(specs[0]) else None
 
     def align(x, axis):
-        spec = explicit_spec(x)
-        if axis is None or spec is None:
+        if axis is None:
             return x
+        # an array without the mesh in its type (made before jax.set_mesh, a constant)
+        # is replicated: it may be resharded all the same
+        spec = explicit_spec(x) or ()
         entries = list(spec) + [None] * (x.ndim - len(spec))
         if entries[axis] == want:
             return x

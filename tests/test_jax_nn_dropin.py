@@ -150,8 +150,16 @@ def test_lengths_and_bias_may_be_python_lists_as_in_jax_nn(own_checks_only):
     rows = _visible(T, S, kw)[:, 0].any(-1)   # [B, T]
     np.testing.assert_allclose(np.asarray(as_lists)[rows], np.asarray(
         _jax_nn(q, k, v, bias=bias.tolist(), **kw))[rows], rtol=1e-5, atol=1e-5)
-    with pytest.raises(TypeError, match="key_lengths must have an integer dtype; got float64"):
+    # a list of jax values, traced by a jit
+    traced = jax.jit(lambda n: attnjax.dot_product_attention(
+        q, k, v, bias=bias.tolist(), query_seq_lengths=q_len,
+        key_value_seq_lengths=[n] + k_len[1:]))(jnp.int32(k_len[0]))
+    np.testing.assert_allclose(traced, as_lists, rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="key_lengths must have an integer dtype; got float"):
         attnjax.dot_product_attention(q, k, v, key_lengths=[1.5] * B)
+    with pytest.raises(TypeError, match=r"key_lengths must be an array, or a list of numbers "
+                                        r"of one shape; got list \[\[1\], \[2, 3\]"):
+        attnjax.dot_product_attention(q, k, v, key_lengths=[[1], [2, 3]])
 
 
 def test_jax_nn_names_are_aliases_of_attnjax_s():

@@ -132,7 +132,7 @@ def test_attention_on_explicit_meshes_and_inside_shard_map(rng):
     with check_vma on, the chunked kernel too (its loop carries, constants, had no
     varying axes; its gradients of shared arrays are summed over the devices)."""
     import attnjax
-    from attnjax import nn
+    from attnjax import masks, nn
 
     keys = jax.random.split(rng, 3)
     q, k, v = (jax.random.normal(key, (4, 6, 4, 8), jnp.float32) for key in keys)
@@ -152,6 +152,10 @@ def test_attention_on_explicit_meshes_and_inside_shard_map(rng):
         with pytest.raises(ValueError, match=r"implementation='chunked' does not run on arrays "
                                              r"sharded in their types"):
             attnjax.dot_product_attention(sq, sk, sv, implementation="chunked")
+        # keys and values made before the mesh (no sharding in their type), with the
+        # query's batch sharded
+        got = jax.jit(lambda a: attnjax.dot_product_attention(a, k, v, is_causal=True))(sq)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
         sx = jax.device_put(x, PartitionSpec("data"))
         np.testing.assert_allclose(jax.jit(module.apply)(variables, sx),
                                    module.apply(variables, x), rtol=1e-6, atol=1e-6)
@@ -178,6 +182,17 @@ def test_attention_on_explicit_meshes_and_inside_shard_map(rng):
         out = inner(q, k, v, sinks, bias, table)
         return jnp.sum(out * jnp.sin(out))
 
+    # functions of positions sharded with the batch: traced on indices of their type
+    positions = jnp.broadcast_to(2 * jnp.arange(6, dtype=jnp.int32), (4, 6))
+    kw = dict(mask=masks.from_fn(lambda b, n, i, j: jnp.abs(i - j) <= 6),
+              score_mod=lambda s, b, n, i, j: s - 0.1 * jnp.abs(i - j).astype(s.dtype))
+    by_positions = jax.jit(jax.shard_map(
+        lambda a, b, c, p: attnjax.dot_product_attention(
+            a, b, c, positions=(p, p), implementation="chunked", block_sizes=(4, 4), **kw),
+        mesh=auto, in_specs=(spec, spec, spec, PartitionSpec("data")), out_specs=spec))
+    np.testing.assert_allclose(by_positions(q, k, v, positions), attnjax.dot_product_attention(
+        q, k, v, positions=(positions, positions), implementation="dense", **kw),
+        rtol=1e-5, atol=1e-6)
     args = (q, k, v, sinks, bias, table)
     expected = jax.grad(loss, argnums=range(6))(*args, "dense", None)
     for implementation in ("dense", "chunked"):   # (check_vma=False: ring attention's tests)

@@ -198,16 +198,14 @@ def _seen(visible):
 
 def _varying(x) -> frozenset:
     """The manual axes (inside jax.shard_map with check_vma) x varies over."""
-    if isinstance(x, _Varies):
-        return x.axes
     manual = getattr(jax.typeof(x), "manual_axis_type", None)
     return frozenset(getattr(manual, "varying", None) or ())
 
 
-@dataclasses.dataclass(frozen=True)
-class _Varies:
-    """A stand-in for an array that varies over these manual axes (`_varying_as`)."""
-    axes: frozenset
+def _varying_over(x, axes: frozenset):
+    """x varying over `axes` too (inside jax.shard_map with check_vma)."""
+    missing = tuple(sorted(axes - _varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _varying_as(tree, *refs):
@@ -215,12 +213,7 @@ def _varying_as(tree, *refs):
     loop's carry, made of constants, has the type of what its body computes from
     them (inside jax.shard_map with check_vma; elsewhere tree as it is)."""
     axes = frozenset().union(*map(_varying, jax.tree.leaves(refs)))
-
-    def cast(x):
-        missing = tuple(sorted(axes - _varying(x)))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree) if axes else tree
+    return jax.tree.map(lambda x: _varying_over(x, axes), tree) if axes else tree
 
 
 def _as_primal(cotangent, primal):
@@ -683,7 +676,7 @@ def closure_convert_all(fn, *example_args):
         args, traced = args_and_traced[:count], iter(args_and_traced[count:])
         known_ = iter(known)
         consts = [next(traced) if t else next(known_) for t in is_traced]
-        leaves = [_varying_as(x, _Varies(axes)) for x, axes in zip(jax.tree.leaves(args), varying)]
+        leaves = [_varying_over(x, axes) for x, axes in zip(jax.tree.leaves(args), varying)]
         out = jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves)
         return jax.tree.unflatten(out_tree, out)
 

@@ -92,10 +92,9 @@ def append(cached_key, cached_value, index, key, value) -> Appended:
             f"cache's V, [batch..., T, K, V] = {_checks.shape_str(value_shape)}; got "
             f"{_checks.shape_str(value.shape)}")
     if not isinstance(index, jax.core.Tracer):
-        index_dtype = getattr(index, "dtype", None)
-        if (isinstance(index, bool) or not isinstance(index, (int, np.integer))
-                and not (index_dtype is not None and jnp.issubdtype(index_dtype, jnp.integer)
-                         and np.ndim(index) == 0)):
+        integer_array = (hasattr(index, "dtype") and np.ndim(index) == 0
+                         and jnp.issubdtype(index.dtype, jnp.integer))
+        if not (_checks.is_int(index) or integer_array):
             raise TypeError(f"the cache index must be an int (a slot); got {index!r}")
         if int(index) < 0:
             raise ValueError(f"the cache index must be >= 0 (the first free slot); got "

@@ -18,13 +18,12 @@ from attnjax.nn.models import DecoderOnly, Transformer, check_tokens
 
 
 def _check_count(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    if not _checks.is_int(value) or value < low:
         raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
 
 
 def _check_id(name: str, value, vocab_size: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
-            0 <= value < vocab_size):
+    if not _checks.is_int(value) or not 0 <= value < vocab_size:
         raise ValueError(f"{name} must be a token id in [0, {vocab_size}); got {value!r}")
 
 

@@ -39,6 +39,12 @@ QUICK_COMPILATION = ["--xla_backend_optimization_level=0",
                      "--xla_llvm_disable_expensive_passes=true",
                      "--xla_cpu_use_fusion_emitters=false",
                      "--xla_cpu_parallel_codegen_split_count=1"]
+# The first two apply to every backend: where the suite runs on a GPU (JAX_PLATFORMS
+# names another platform), they are left out, as XLA's GPU backend at optimisation
+# level 0 computed wrong numbers (an H200, jax 0.11.2: a causal float64 chunked call
+# 0.25 off in its output, passing at the default level).
+if os.environ["JAX_PLATFORMS"] != "cpu":
+    QUICK_COMPILATION = [f for f in QUICK_COMPILATION if f.startswith("--xla_cpu_")]
 if "ATTNJAX_TEST_XLA_FLAGS" not in os.environ:
     from tests import xla_flags
 

@@ -683,6 +683,26 @@ def closure_convert_all(fn, *example_args):
     return converted, [c for c, t in zip(closed.consts, is_traced) if t]
 
 
+def hoist_traced(fn, *example_args):
+    """`(converted, traced)`: the values fn closes over that an enclosing trace traces
+    (found by tracing fn on example_args), and `converted(values, *args)`, fn with
+    those replaced by values, traced anew at the shapes of the args it is given
+    (`closure_convert_all`'s function holds one trace, at the example's shapes)."""
+    closed = jax.make_jaxpr(lambda *args: fn(*args))(*example_args)
+    traced = [c for c in closed.consts if isinstance(c, jax.core.Tracer)]
+    # (alive as long as fn is: their ids name them)
+    ids = [id(c) for c in traced]
+
+    def converted(values, *args):
+        closed, shapes = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
+        given = dict(zip(ids, values))
+        consts = [given.get(id(c), c) for c in closed.consts]
+        out = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+    return converted, traced
+
+
 def _rows_first(x, t: int):
     """`[B, K, G, Tp, ...]` -> `[B, T, K, G, ...]`, the padding dropped."""
     return jnp.moveaxis(x[:, :, :, :t], 3, 1)

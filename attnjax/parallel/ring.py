@@ -264,26 +264,65 @@ def _ring_backward(query, key, value, mask: Mask, axis_name, score: Score, out, 
     return _rows_first(d_query, t), d_key, d_value
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ring(query, key, value, mask, axis_name, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring(query, key, value, mask, traced, axis_name, scale):
+    mask = _with_traced(mask, traced)
     return _ring_forward(query, key, value, mask, axis_name, Score(scale))[0]
 
 
-def _ring_fwd(query, key, value, mask, axis_name, scale):
-    out, heads_out, lse = _ring_forward(query, key, value, mask, axis_name, Score(scale))
-    return out, (query, key, value, mask, heads_out, lse)
+def _ring_fwd(query, key, value, mask, traced, axis_name, scale):
+    out, heads_out, lse = _ring_forward(query, key, value, _with_traced(mask, traced),
+                                        axis_name, Score(scale))
+    return out, (query, key, value, mask, traced, heads_out, lse)
 
 
 def _ring_bwd(axis_name, scale, residuals, d_out):
-    query, key, value, mask, out, lse = residuals
-    d_query, d_key, d_value = _ring_backward(query, key, value, mask, axis_name,
-                                             Score(scale), out, lse, d_out)
-    # the mask holds integer positions and segment ids: no cotangent
+    query, key, value, mask, traced, out, lse = residuals
+    d_query, d_key, d_value = _ring_backward(query, key, value, _with_traced(mask, traced),
+                                             axis_name, Score(scale), out, lse, d_out)
+    # the mask holds integer positions and segment ids, and what its from_fn functions
+    # read: no cotangent
     return (d_query.astype(query.dtype), d_key.astype(key.dtype),
-            d_value.astype(value.dtype), None)
+            d_value.astype(value.dtype), None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+class _Hoisted:
+    """A from_fn function whose closed-over values that an enclosing trace traces are
+    `_ring`'s arguments, `traced[start:stop]` (`chunked.hoist_traced`)."""
+
+    def __init__(self, converted, start: int, stop: int):
+        self.converted, self.start, self.stop = converted, start, stop
+
+    def __call__(self, *args):
+        raise RuntimeError("a ring mask's from_fn called without its traced values")
+
+
+def _hoisted(mask: Mask) -> tuple[Mask, list]:
+    """The mask with each from_fn's closed-over values that an enclosing trace traces
+    (a jit's segment ids, say) taken out, and those values: `_ring`'s forward and
+    backward passes, traced apart from the caller's trace, then hold none of its
+    tracers (a from_fn closing over one failed under grad(jit(...)))."""
+    traced = []
+    # one example and head, and [1, 1] positions: what a from_fn reads them as
+    example = (jnp.int32(0), jnp.int32(0), jnp.zeros((1, 1), jnp.int32),
+               jnp.zeros((1, 1), jnp.int32))
+
+    def hoist(fn):
+        converted, values = chunked.hoist_traced(fn, *example)
+        traced.extend(values)
+        return _Hoisted(converted, len(traced) - len(values), len(traced)), ()
+
+    return mask.with_functions(hoist), traced
+
+
+def _with_traced(mask: Mask, traced: list) -> Mask:
+    """`_hoisted`'s mask with its from_fn functions given their values back."""
+    def give(fn):
+        return functools.partial(fn.converted, traced[fn.start:fn.stop]), ()
+    return mask.with_functions(give)
 
 
 # --------------------------------------------------------------------------------------
@@ -359,9 +398,9 @@ def ring_attention(
         me = lax.axis_index(axis_name)
         positions = (_shard_positions(me, p, t, layout) + p * (s - t),
                      _shard_positions(me, p, s, layout))
-    bound = mask.bind(Shape(b, t, s, n), positions)
+    bound, traced = _hoisted(mask.bind(Shape(b, t, s, n), positions))
     # [B, T, N, V]
-    return _ring(query, key, value, bound, axis_name, _checks.resolve_scale(scale, h))
+    return _ring(query, key, value, bound, traced, axis_name, _checks.resolve_scale(scale, h))
 
 
 def _check(query, key, value, layout: str) -> None:

@@ -533,15 +533,17 @@ def _check_alignment(alignment, num_heads: int):
 
 
 def _sharded_in_types(*arrays) -> str | None:
-    """Where the chunked kernel's loops cannot run these arrays: shardings that are part
-    of their types (its loop carries start as constants, which have none); None where
-    it can."""
+    """Where the chunked kernel's loops cannot run these arrays `[B, L, ...]`: a
+    sequence axis sharded in its type (a mesh of Explicit axes), whose blocks the loops
+    would slice across devices; None where it can (the batch and the heads may be
+    sharded)."""
     for x in arrays:
         spec = heads.explicit_spec(x)
-        if spec is not None and any(entry is not None for entry in spec):
-            return ("on arrays sharded in their types (a mesh of jax.sharding.AxisType."
-                    "Explicit axes, jax.make_mesh's default under jax.set_mesh; a mesh of "
-                    "Auto axes, as attnjax.parallel.make_mesh makes, runs it)")
+        if spec is not None and len(spec) > 1 and spec[1] is not None:
+            return (f"on a sequence sharded in its type (a mesh of jax.sharding.AxisType."
+                    f"Explicit axes, jax.make_mesh's default under jax.set_mesh; got "
+                    f"sharding {spec}); attnjax.parallel's ring attention runs a sharded "
+                    f"sequence")
     return None
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
 from attnjax import heads
@@ -218,11 +219,37 @@ def _varying_as(tree, *refs):
 
 def _as_primal(cotangent, primal):
     """A cotangent summed over the manual axes its primal does not vary over (a value
-    every shard shares gets the sum of their gradients, as autodiff gives it)."""
+    every shard shares gets the sum of their gradients, as autodiff gives it), with the
+    primal's sharding."""
     if cotangent is None:
         return None
     missing = tuple(sorted(_varying(cotangent) - _varying(primal)))
-    return lax.psum(cotangent, missing) if missing else cotangent
+    if missing:
+        cotangent = lax.psum(cotangent, missing)
+    # on a mesh of Explicit axes, sharded as the primal (a bias or sinks given whole,
+    # whose gradient the heads' shards computed)
+    spec = heads.explicit_spec(primal)
+    if spec is not None and jax.typeof(cotangent).sharding.spec != spec:
+        cotangent = jax.sharding.reshard(cotangent, spec)
+    return cotangent
+
+
+def _sharded_as(tree, ref, axes: int):
+    """tree's leaves sharded as ref's first `axes` axes, on a mesh of Explicit axes
+    (jax.make_mesh's default under jax.set_mesh), where shardings are part of the
+    types: a loop's carry, made of constants, has none, and its body's results those of
+    the sharded inputs they are computed from. Elsewhere tree as it is."""
+    spec = None if ref is None else heads.explicit_spec(ref)
+    if spec is None or all(entry is None for entry in spec):
+        return tree
+
+    def shard(x):
+        # (a unit axis where ref's is whole, a broadcast one, is not sharded)
+        lead = [entry if x.shape[a] == ref.shape[a] else None
+                for a, entry in enumerate(tuple(spec)[:axes])]
+        return jax.sharding.reshard(x, PartitionSpec(*lead, *(None,) * (x.ndim - len(lead))))
+
+    return jax.tree.map(shard, tree)
 
 
 def _visit(visits, step, init):
@@ -397,7 +424,8 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
              else jnp.exp(jnp.broadcast_to(start, rows_shape) - row_max)),
             jnp.zeros(rows_shape + (v.shape[-1],), acc_dtype),
         )
-        init = _varying_as(init, q_i, k, v, mask, bias, sinks, consts, dropout_key)
+        init = _varying_as(_sharded_as(init, q_i, 3), q_i, k, v, mask, bias, sinks, consts,
+                           dropout_key)
         # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, V]
         row_max, row_sum, acc = _visit(visits, step, init)
         seen = row_sum > 0
@@ -514,9 +542,9 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
 
         d_q, d_bias, d_consts = carry
         # [B, K, G, ·, bk]: every query head's share of the block's gradients, transposed
-        d_k, d_v = _varying_as(
+        d_k, d_v = _varying_as(_sharded_as(
             (jnp.zeros(sizes + (k.shape[-1], plan.block_k), acc_dtype),
-             jnp.zeros(sizes + (v.shape[-1], plan.block_k), acc_dtype)), *inputs)
+             jnp.zeros(sizes + (v.shape[-1], plan.block_k), acc_dtype)), q, 3), *inputs)
         d_q, d_bias, d_consts, d_k, d_v = _visit(visits, step, (d_q, d_bias, d_consts, d_k, d_v))
         # The G query heads of a group share its keys and values: [B, bk, K, ·]
         d_k, d_v = (jnp.moveaxis(x.sum(axis=2), 3, 1) for x in (d_k, d_v))
@@ -526,8 +554,9 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
     # arrays' gradients as those arrays (each block's is summed over the devices where
     # they are shared: the transpose of their broadcast in score_mod's jaxpr).
     inputs = (q, k, v, d_out, mask, bias, dropout_key)
-    init = (_varying_as(jnp.zeros(q.shape, acc_dtype), *inputs),
-            None if bias is None else _varying_as(jnp.zeros(bias.shape, acc_dtype), *inputs),
+    init = (_varying_as(_sharded_as(jnp.zeros(q.shape, acc_dtype), q, q.ndim), *inputs),
+            None if bias is None else _varying_as(
+                _sharded_as(jnp.zeros(bias.shape, acc_dtype), q, 3), *inputs),
             [_varying_as(jnp.zeros(c.shape, c.dtype if ok else acc_dtype), c)
              for c, ok in zip(consts, differentiable)])
     xs = (jnp.arange(plan.num_k_blocks, dtype=jnp.int32),) + tuple(cols)
@@ -731,6 +760,11 @@ def attend(
     heads_per_pass = per_head * kv_heads * g // size
     per_pass = max([d for d in range(1, size + 1)
                     if size % d == 0 and d * heads_per_pass <= LOGITS_BLOCK_BYTES] or [1])
+    spec = heads.explicit_spec(q)
+    if spec is not None and len(spec) > axis and spec[axis] is not None:
+        # heads sharded in their type (a mesh of Explicit axes): one pass, as groups
+        # would slice across the devices' shards
+        per_pass = size
     if per_pass == size:
         return _attend(q, k, v, mask, score, options)
     groups = size // per_pass

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from attnjax import chunked
 from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import cli, make_task
 from attnjax.toy import train as training
@@ -124,13 +125,13 @@ def test_two_processes_match_one_process(tmp_path, one_device):
                   if p.name.isdigit()) == [20, 40, 50]
 
 
-def test_attention_on_explicit_meshes_and_inside_shard_map(rng):
+def test_attention_on_explicit_meshes_and_inside_shard_map(rng, monkeypatch):
     """jax.make_mesh's default mesh (Explicit axes, shardings in the types) under
-    jax.set_mesh, batch and heads sharded: the dense kernel, None and the modules run
-    as unsharded (a per-example index made without a sharding had failed vmap), and
-    the chunked kernel, whose loops cannot, is a named error. Inside jax.shard_map
-    with check_vma on, the chunked kernel too (its loop carries, constants, had no
-    varying axes; its gradients of shared arrays are summed over the devices)."""
+    jax.set_mesh, batch and heads sharded: every kernel, None and the modules run as
+    unsharded (a per-example index made without a sharding had failed vmap). Inside
+    jax.shard_map with check_vma on, the chunked kernel too (its loop carries,
+    constants, had no varying axes; its gradients of shared arrays are summed over the
+    devices)."""
     import attnjax
     from attnjax import masks, nn
 
@@ -149,9 +150,37 @@ def test_attention_on_explicit_meshes_and_inside_shard_map(rng):
             got = jax.jit(lambda a, b, c, i=implementation: attnjax.dot_product_attention(
                 a, b, c, is_causal=True, implementation=i))(sq, sk, sv)
             np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
-        with pytest.raises(ValueError, match=r"implementation='chunked' does not run on arrays "
-                                             r"sharded in their types"):
-            attnjax.dot_product_attention(sq, sk, sv, implementation="chunked")
+        # the chunked kernel, batch and heads sharded: values and gradients (of q, k, v,
+        # a bias and sinks given whole), its heads in one pass where groups of them
+        # would slice across the devices' shards (its loop carries, constants, had no
+        # sharding, and the bias's and sinks' gradients those of the heads' shards)
+        bias = jax.random.normal(keys[2], (4, 4, 6, 6), jnp.float32)
+        sinks = jax.random.normal(keys[1], (4,), jnp.float32)
+
+        def loss(q, k, v, bias, sinks, implementation):
+            out = attnjax.dot_product_attention(
+                q, k, v, bias=bias, sinks=sinks, is_causal=True,
+                key_lengths=jnp.asarray([6, 2, 5, 1], jnp.int32),
+                implementation=implementation,
+                block_sizes=(4, 4) if implementation == "chunked" else None)
+            return jnp.sum(out * jnp.sin(out))
+
+        grads = jax.grad(loss, argnums=range(5))
+        want = grads(q, k, v, bias, sinks, "dense")
+        for groups_of in (chunked.LOGITS_BLOCK_BYTES, 64):
+            monkeypatch.setattr(chunked, "LOGITS_BLOCK_BYTES", groups_of)
+            got = jax.jit(grads, static_argnums=5)(sq, sk, sv, bias, sinks, "chunked")
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(
+            attnjax.dot_product_attention(sq, sk, sv, implementation="chunked"),
+            attnjax.dot_product_attention(q, k, v), rtol=1e-6, atol=1e-6)
+        # a sequence sharded in its type: ring attention's work, a named error
+        seq = PartitionSpec(None, "data")
+        with pytest.raises(ValueError, match=r"implementation='chunked' does not run on a "
+                                             r"sequence sharded in its type"):
+            attnjax.dot_product_attention(*(jax.device_put(a, seq) for a in (q, k, v)),
+                                          implementation="chunked")
         # keys and values made before the mesh (no sharding in their type), with the
         # query's batch sharded
         got = jax.jit(lambda a: attnjax.dot_product_attention(a, k, v, is_causal=True))(sq)

@@ -231,7 +231,24 @@ def check_dropout(rate, rng) -> float:
         raise ValueError(f"dropout_rate must lie in [0, 1); got {rate}")
     if rate > 0.0 and rng is None:
         raise ValueError(f"dropout_rate={rate} needs a dropout_rng (a jax.random key); got None")
+    if rate > 0.0:
+        check_key("dropout_rng", rng)
     return float(rate)
+
+
+def check_key(name: str, key) -> None:
+    """A TypeError unless key is one jax.random key: a typed key of shape (), or raw
+    key data, uint32 of rank 1 (`jax.random.PRNGKey`'s)."""
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    if typed and shape == ():
+        return
+    if not typed and dtype == np.uint32 and shape is not None and len(shape) == 1:
+        return
+    got = (f"{type(key).__name__} {key!r}" if dtype is None
+           else f"{'keys' if typed else dtype} of shape {shape_str(shape)}")
+    raise TypeError(f"{name} must be one jax.random key (jax.random.key(seed), or "
+                    f"jax.random.PRNGKey(seed)'s uint32 data); got {got}")
 
 
 def resolve_block_sizes(block_sizes) -> tuple[int, int]:

@@ -319,10 +319,11 @@ def _one_of(name: str, value, alias: str, alias_value):
     return alias_value
 
 
-def _as_array(name: str, x):
+def _as_array(name: str, x, required: bool = False):
     """A list, tuple (of numbers or jax values, traced too) or Python number as an
-    array; anything else as given (its checks name what is wrong)."""
-    if isinstance(x, (list, tuple, int, float)) and not isinstance(x, bool):
+    array; anything else as given (its checks name what is wrong). required: x (query,
+    key or value) must become an array, whatever it is."""
+    if required or isinstance(x, (list, tuple, int, float)) and not isinstance(x, bool):
         try:
             return jnp.asarray(x)
         except (TypeError, ValueError):
@@ -376,7 +377,10 @@ def _check_inputs(query, key, value, same_head_dim: bool):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if hasattr(x, "dtype"):   # the dtype given: jnp.asarray makes int64 int32 (no x64)
             _checks.check_floating(name, x)
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    query, key, value = (_as_array(name, x, required=True) for name, x in (
+        ("query", query), ("key", key), ("value", value)))
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _checks.check_floating(name, x)
     if query.ndim == 2:
         raise ValueError(
             f"query must have rank 3 or 4 ([B, T, N, H] or [T, N, H]); got shape "

@@ -240,6 +240,19 @@ MISTAKES = [
      TypeError, r"is_causal must be a bool \(True or False\); got 'no'"),
     ("ring_key_length", lambda: ring.ring_self_attention(q8, q8[:, :4], q8[:, :4], _mesh()),
      ValueError, r"self-attention needs key of the query's \[B, T\] = \[2, 8\]"),
+    # not one key: a number, floats, a batch of keys (jax's own errors had named no
+    # argument)
+    ("dropout_rng_int", lambda: dpa(q, k, v, dropout_rate=0.5, dropout_rng=3),
+     TypeError, r"dropout_rng must be one jax.random key .*; got int 3"),
+    ("dropout_rng_floats", lambda: dpa(q, k, v, dropout_rate=0.5, dropout_rng=_zeros(2)),
+     TypeError, r"dropout_rng must be one jax.random key .*; got float32 of shape \[2\]"),
+    ("dropout_rng_keys", lambda: dpa(q, k, v, dropout_rate=0.5, dropout_broadcast=True,
+                                     dropout_rng=jax.random.split(jax.random.key(0), 3)),
+     TypeError, r"dropout_rng must be one jax.random key .*; got keys of shape \[3\]"),
+    ("query_none", lambda: dpa(None, k, v),
+     TypeError, r"query must be an array, or a list of numbers of one shape; got NoneType"),
+    ("value_str", lambda: dpa(q, k, "abc"),
+     TypeError, r"value must be an array, or a list of numbers of one shape; got str abc"),
 ]
 
 

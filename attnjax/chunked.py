@@ -379,8 +379,8 @@ def _forward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: bo
 
 def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
              facts: _Facts = _Facts()):
-    """Output `[B, K, G, Tp, V]` and log-sum-exp `[B, K, G, Tp]` (MASKED for rows that
-    see nothing). q `[B, K, G, Tp, H]` (heads first, pre-scaled), k and v `[B, Sp, K, ·]`
+    """Output `[B, K, G, Tp, V]`, log-sum-exp `[B, K, G, Tp]` (MASKED for rows that see
+    nothing) and its parts (`_backward`'s `lse_parts`). q `[B, K, G, Tp, H]` (heads first, pre-scaled), k and v `[B, Sp, K, ·]`
     (or already head-major, `[B, K, 1, Sp, ·]`)."""
     sizes = q.shape[:3]
     acc_dtype = _logits_dtype(v.dtype)
@@ -431,14 +431,18 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
         seen = row_sum > 0
         safe_sum = jnp.where(seen, row_sum, 1.0)
         out = acc / safe_sum[..., None]
-        lse = jnp.where(seen, row_max + jnp.log(safe_sum), MASKED)
-        return out.astype(v.dtype), lse
+        # the log-sum-exp in its two parts, the shift and the log of the shifted sum
+        # (zeros for a row that saw nothing)
+        shift, log_sum = jnp.where(seen, row_max, 0.0), jnp.log(safe_sum)
+        lse = jnp.where(seen, shift + log_sum, MASKED)
+        return out.astype(v.dtype), lse, (shift, log_sum)
 
     xs = (jnp.arange(plan.num_q_blocks, dtype=jnp.int32),) + tuple(rows)
     # [nq, B, K, G, bq, V], [nq, B, K, G, bq]
-    out, lse = lax.map(query_block, xs)
+    out, lse, parts = lax.map(query_block, xs)
     out = jnp.moveaxis(out, 0, 3).reshape(sizes + (plan.padded_t, v.shape[-1]))
-    return out, jnp.moveaxis(lse, 0, 3).reshape(sizes + (plan.padded_t,))
+    rows_of = lambda x: jnp.moveaxis(x, 0, 3).reshape(sizes + (plan.padded_t,))  # noqa: E731
+    return out, rows_of(lse), tuple(map(rows_of, parts))
 
 
 def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: bool,
@@ -449,12 +453,13 @@ def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: b
     accumulator's dtype, the same products (see _upcast_key_value_products)."""
 
     def step(q_i, q_t, do_i, do_t, lse_i, delta_i, k_j, v_j, mask, bias, dropout_key):
+        shift_i, log_sum_i = lse_i
         # q_t `[H, bq]` and do_t `[V, bq]` are q_i and do_i transposed (in memory, not
         # as a view): d_kᵀ = q_iᵀ ds and d_vᵀ = do_iᵀ p are then row-major products,
         # which XLA's CPU backend runs ~4× faster than a product contracting the
         # leading axis of ds and p.
         blocks = _Blocks(plan, mask, bias, mod, dropout_key)
-        acc_dtype = lse_i.dtype
+        acc_dtype = delta_i.dtype
         at, visible, q_i, k_j, v_j = blocks.unseen_hidden(q_i, k_j, v_j, i, j, masked)
         if masked:
             q_t = jnp.where(_seen(visible)[0][None, :], q_t, 0)
@@ -467,8 +472,10 @@ def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: b
         else:
             s, modify_vjp = jax.vjp(lambda r, c: blocks.modify(r, at, c), raw, consts)
         s = _masked(s, visible)
-        # [bq, bk]: the forward weights, exactly, from the saved log-sum-exp.
-        p = jnp.exp(s - lse_i[:, None])
+        # [bq, bk]: the forward weights, exactly, from the saved log-sum-exp's parts: the
+        # shift first, which leaves the logits' difference from it exact, then the log of
+        # the sum (their sum, at logits of 1e7, would round the log of the sum away).
+        p = jnp.exp((s - shift_i[:, None]) - log_sum_i[:, None])
         dp = jnp.einsum("TV,SV->TS", do_i, v_j, preferred_element_type=acc_dtype)
         p_used = p
         if plan.dropout_rate > 0.0:
@@ -489,11 +496,13 @@ def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: b
     return step
 
 
-def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, out, lse,
-              d_out, d_lse, facts: _Facts = _Facts()):
+def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, out,
+              lse_parts, d_out, d_lse, facts: _Facts = _Facts()):
     """Gradients of the (pre-scaled, padded) q, k, v, the bias, the sinks and score_mod's
     closed-over arrays, recomputing each visited block's weights. q, out and d_out are
-    heads first `[B, K, G, Tp, ·]`, lse and d_lse `[B, K, G, Tp]`."""
+    heads first `[B, K, G, Tp, ·]`, d_lse `[B, K, G, Tp]`, and lse_parts the log-sum-exp
+    as (shift, log of the shifted sum), each `[B, K, G, Tp]`, zeros for a row that saw
+    nothing (`_forward`'s, or `_lse_parts` of a log-sum-exp)."""
     sizes = q.shape[:3]
     acc_dtype = _logits_dtype(v.dtype)
     # [B, K, G, Tp]: rowsum(dO ∘ O) = rowsum(dP ∘ P), also under dropout; minus the lse's
@@ -501,8 +510,8 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
     delta = jnp.sum(d_out.astype(acc_dtype) * out.astype(acc_dtype), axis=-1)
     if d_lse is not None:
         delta = delta - d_lse.astype(acc_dtype)
-    # Rows that saw nothing: exp(MASKED − 0) = 0 recomputes their (zero) weights.
-    lse = jnp.where(lse < FLOOR, 0.0, lse)
+    # Rows that saw nothing: exp(MASKED − 0 − 0) = 0 recomputes their (zero) weights.
+    lse_parts = tuple(x.astype(acc_dtype) for x in lse_parts)
     differentiable = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
     # [B, K, G, H, Tp], [B, K, G, V, Tp]: copied transposed once, here, outside the
     # loops, so that XLA cannot fold the transposes back into the block products.
@@ -530,7 +539,8 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
                 sizes,
                 _BACKWARD_IN, ("heads",) * 5)
             d_q_i, d_k_j, d_v_j, ds, d_block_consts = grads(
-                take(q), take(q_t, 4), take(d_out), take(d_out_t, 4), take(lse), take(delta),
+                take(q), take(q_t, 4), take(d_out), take(d_out_t, 4), tuple(map(take, lse_parts)),
+                take(delta),
                 k_j, v_j, mask, bias, dropout_key)
             d_q = lax.dynamic_update_slice_in_dim(d_q, take(d_q) + d_q_i, rows, axis=3)
             if d_bias is not None:
@@ -567,7 +577,9 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
     d_sinks = None
     if sinks is not None:
         # The sink is a column of every row with a zero value vector: dp = 0 there.
-        per_head = -jnp.sum(jnp.exp(sinks.astype(acc_dtype)[..., None] - lse) * delta, axis=-1)
+        shift, log_sum = lse_parts
+        per_head = -jnp.sum(jnp.exp((sinks.astype(acc_dtype)[..., None] - shift) - log_sum)
+                            * delta, axis=-1)
         d_sinks = _sum_to(per_head, sinks.shape)
     d_consts = [d if ok else None for d, ok in zip(d_consts, differentiable)]
     return d_q, d_k, d_v, d_bias, d_sinks, d_consts
@@ -607,19 +619,19 @@ def _kernel(plan: _Plan, mod, facts: _Facts):
     @jax.custom_vjp
     def attend(q, k, v, bias, sinks, consts, mask, dropout_key, rows, cols):
         return _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
-                        facts)
+                        facts)[:2]
 
     def forward(q, k, v, bias, sinks, consts, mask, dropout_key, rows, cols):
-        out, lse = _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
-                            facts)
-        return (out, lse), (q, k, v, bias, sinks, consts, mask, dropout_key, cols, out, lse)
+        out, lse, parts = _forward(plan, mod, q, k, v, mask, bias, sinks, consts,
+                                   dropout_key, rows, facts)
+        return (out, lse), (q, k, v, bias, sinks, consts, mask, dropout_key, cols, out, parts)
 
     def backward(residuals, cotangents):
-        q, k, v, bias, sinks, consts, mask, dropout_key, cols, out, lse = residuals
+        q, k, v, bias, sinks, consts, mask, dropout_key, cols, out, parts = residuals
         d_out, d_lse = cotangents
         # q entered pre-scaled: autodiff of that multiply applies the scale to d_q.
         d_q, d_k, d_v, d_bias, d_sinks, d_consts = _backward(
-            plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, out, lse,
+            plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, out, parts,
             d_out, d_lse, facts)
         return (_as_primal(d_q.astype(q.dtype), q), _as_primal(d_k.astype(k.dtype), k),
                 _as_primal(d_v.astype(v.dtype), v),
@@ -817,10 +829,17 @@ def forward_with_lse(q, k, v, mask: Mask, score: Score, block_sizes=(None, None)
     plan, q, k, v, bias, mask, table, mod, consts, facts, near = _prepare(
         q, k, v, mask, score, *block_sizes, 0.0)
     rows = _visits(table, near)
-    out, lse = _forward(plan, mod, q, k, v, mask, bias, None, consts, None, rows, facts)
+    out, lse, _ = _forward(plan, mod, q, k, v, mask, bias, None, consts, None, rows, facts)
     if not rows_first:
         return out, lse
     return _rows_first(out, plan.t), _rows_first(lse, plan.t)
+
+
+def _lse_parts(lse):
+    """A log-sum-exp as `_backward`'s parts: itself as the shift (0 for a row that saw
+    nothing, MASKED) and no sum beside it."""
+    shift = jnp.where(lse < FLOOR, 0.0, lse)
+    return shift, jnp.zeros_like(shift)
 
 
 def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
@@ -840,8 +859,8 @@ def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
         pad_axis(x, plan.padded_t, 1), 1, 3)
     cols = _visits(table, near, transpose=True)
     d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None, cols,
-                                  heads_first(out), heads_first(lse), heads_first(d_out),
-                                  None, facts)
+                                  heads_first(out), _lse_parts(heads_first(lse)),
+                                  heads_first(d_out), None, facts)
     # q entered pre-scaled: the chain rule applies the scale to d_q
     d_q = (_rows_first(d_q, plan.t) if rows_first else d_q) * score.scale
     return d_q, d_k[:, : plan.s], d_v[:, : plan.s]

@@ -167,6 +167,38 @@ def test_gradients_float64_check_grads():
     jax.test_util.check_grads(jax.jit(fn), (q, k, v), order=1, modes=("rev",))
 
 
+@pytest.mark.parametrize("magnitude", [1e3, 1e7])
+def test_gradients_at_huge_logits_with_tied_keys_equal_dense(magnitude):
+    """Logits of ±magnitude in float32, two keys tied at each row's maximum (a repeated
+    token), a bias tied the same way, and sinks: the weights the backward pass rebuilds
+    from the saved log-sum-exp are dense's (at 1e7 its log of the sum, 0.69, had
+    rounded away beside the shift: the gradients of v 0.61 each instead of 0.5)."""
+    q, k, v, d_out = _inputs(11, 2, 3, 5, 2, 2, 4, 3)
+    q = jnp.abs(q) * magnitude ** 0.5
+    k = jnp.abs(k).at[:, 1].set(jnp.abs(k)[:, 0]) * magnitude ** 0.5 / 4
+    bias = jnp.zeros((2, 2, 3, 5), jnp.float32).at[..., :2].set(magnitude)
+    sinks = jnp.asarray([-1.0, 2.0], jnp.float32)
+
+    def loss(implementation, q, k, v, bias, dtype=jnp.float32):
+        out = attnjax.dot_product_attention(
+            *(x.astype(dtype) for x in (q, k, v, bias)), sinks=sinks.astype(dtype),
+            implementation=implementation)
+        return jnp.sum(out * d_out.astype(dtype))
+
+    dense, chunked_, exact = (
+        jax.jit(jax.grad(functools.partial(loss, name, dtype=dtype), argnums=(0, 1, 2, 3)))(
+            q, k, v, bias)
+        for name, dtype in (("dense", jnp.float32), ("chunked", jnp.float32),
+                            ("dense", jnp.float64)))
+    chex.assert_tree_all_finite(chunked_)
+    # v's and the bias's, the weights and their logits' gradient: as dense's
+    for got, want in zip(chunked_[2:], dense[2:]):
+        assert relative_error(got, want) <= 1e-5
+    # q's and k's, sums of terms of ~magnitude that cancel: as near float64's as dense's
+    for got, want, wide in zip(chunked_[:2], dense[:2], exact[:2]):
+        assert np.max(np.abs(got - wide)) <= 4 * np.max(np.abs(want - wide)) + 1e-6
+
+
 def test_dropout_is_deterministic_per_rng_and_unbiased():
     q, k, v, _ = _inputs(9, 2, 12, 20, 2, 2, 4, 5)
 

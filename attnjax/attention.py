@@ -228,6 +228,13 @@ def dot_product_attention(
         implementation = None
     query, key, value, shape = _check_inputs(query, key, value, alignment is None)
     query, scale = _traced_scale(query, scale, alignment)
+    dtype = key.dtype
+    if (dtype == jnp.float16 and alignment is None and implementation != "cudnn"
+            and _checks.resolve_scale(scale, query.shape[-1]) > 1.0):
+        # The kernels' first step is q·scale in q's dtype, which a scale above 1 can
+        # take past float16's 65504 (q = 100, scale = 1000: inf, then NaN): float32
+        # inside, as for the softmax, and the results in float16.
+        query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
     if shape.unbatched:   # jax.nn's forms too: it gives an unbatched call a batch of one
         bias, mask = _batch_of_one_dropped(bias, 4), _batch_of_one_dropped(mask, 4)
         query_lengths = _batch_of_one_dropped(query_lengths, 1)
@@ -261,12 +268,13 @@ def dot_product_attention(
                                     value_name=value_name)
     if shape.unbatched:
         out, lse, weights = (None if x is None else x[0] for x in (out, lse, weights))
-    if lse is not None and lse.dtype != key.dtype:
+    out, weights = (None if x is None else x.astype(dtype) for x in (out, weights))
+    if lse is not None and lse.dtype != dtype:
         # in the inputs' dtype, as jax.nn returns it (computed in float32 for float16 and
         # bfloat16): code written for jax.nn hands back a cotangent of that dtype. A row
         # that sees nothing keeps a finite log-sum-exp: float16's lowest, not −inf.
-        lowest = jnp.asarray(jnp.finfo(key.dtype).min, lse.dtype)
-        lse = jnp.maximum(lse, lowest).astype(key.dtype)
+        lowest = jnp.asarray(jnp.finfo(dtype).min, lse.dtype)
+        lse = jnp.maximum(lse, lowest).astype(dtype)
     extras = ((weights,) if return_weights else ()) + ((lse,) if return_residual else ())
     return (out, *extras) if extras else out
 

@@ -224,11 +224,16 @@ def resolve_window(window) -> tuple[int, int] | None:
     return min(left, WINDOW_UNBOUNDED), min(right, WINDOW_UNBOUNDED)
 
 
-def check_dropout(rate, rng) -> float:
+def check_dropout_rate(rate) -> float:
     if not isinstance(rate, (int, float, np.floating, np.integer)) or isinstance(rate, bool):
         raise TypeError(f"dropout_rate must be a Python number; got {type(rate).__name__}")
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout_rate must lie in [0, 1); got {rate}")
+    return float(rate)
+
+
+def check_dropout(rate, rng) -> float:
+    rate = check_dropout_rate(rate)
     if rate > 0.0 and rng is None:
         raise ValueError(f"dropout_rate={rate} needs a dropout_rng (a jax.random key); got None")
     if rate > 0.0:

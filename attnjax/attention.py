@@ -19,6 +19,7 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 
 from attnjax import _checks, chunked, cudnn, dense, heads, masks
@@ -248,6 +249,8 @@ def dot_product_attention(
     key_bytes = int(np.prod(key.shape[1:])) * key.dtype.itemsize
     typed = _sharded_in_types(query, key, value)
     name = _select_implementation(implementation, return_weights, shape, score, key_bytes, typed)
+    if typed:
+        query, key, value = _sequences_gathered(query, key, value)
     options = _options(shape, name, implementation, dropout_rate, dropout_rng,
                        dropout_broadcast, return_weights, return_residual, block_sizes)
     bound = attention_mask.bind(shape, positions)
@@ -551,12 +554,31 @@ def _sharded_in_types(*arrays) -> str | None:
     sharded)."""
     for x in arrays:
         spec = heads.explicit_spec(x)
-        if spec is not None and len(spec) > 1 and spec[1] is not None:
+        if spec is not None and _sequence_axis(x) < len(spec) and spec[_sequence_axis(x)]:
             return (f"on a sequence sharded in its type (a mesh of jax.sharding.AxisType."
                     f"Explicit axes, jax.make_mesh's default under jax.set_mesh; got "
                     f"sharding {spec}); attnjax.parallel's ring attention runs a sharded "
                     f"sequence")
     return None
+
+
+def _sequence_axis(x) -> int:
+    """The length axis of `[B, L, ...]` (or unbatched `[L, N, ·]`)."""
+    return 0 if x.ndim == 3 else 1
+
+
+def _sequences_gathered(*arrays):
+    """The arrays with their sequence axis unsharded, where a mesh of Explicit axes
+    shards it in their types: the dense kernel's products over a sharded length axis
+    are ambiguous to jax (a ShardingTypeError), gathered they are not."""
+    def gathered(x):
+        spec = heads.explicit_spec(x)
+        axis = _sequence_axis(x)
+        if spec is None or axis >= len(spec) or spec[axis] is None:
+            return x
+        return jax.sharding.reshard(x, PartitionSpec(*(None if a == axis else entry
+                                                       for a, entry in enumerate(spec))))
+    return tuple(map(gathered, arrays))
 
 
 def _select_implementation(implementation, return_weights: bool, shape: Shape,

@@ -5,6 +5,8 @@ H 4, V 11)."""
 
 import functools
 
+import flax.linen
+import flax.nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 import attnjax
+import attnjax.nnx
 from attnjax import kv_cache, masks, nn, scores
 from attnjax.parallel import ring
 from tests import draws
@@ -73,10 +76,11 @@ def _mesh():
     return Mesh(np.asarray(jax.devices()[:4]), ("seq",))
 
 
-def _ring_in_shard_map(query, key, value, **kw):
+def _ring_in_shard_map(query, key, value, check_vma=False, **kw):
     spec = PartitionSpec(None, "seq", None, None)
     return jax.shard_map(functools.partial(ring.ring_attention, **kw), mesh=_mesh(),
-                         in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(query, key, value)
+                         in_specs=(spec,) * 3, out_specs=spec,
+                         check_vma=check_vma)(query, key, value)
 
 
 q8 = draws.normal(7, (B, 8, 2, H))
@@ -221,6 +225,10 @@ MISTAKES = [
     # ring attention validates like dot_product_attention
     ("ring_axis", lambda: ring.ring_self_attention(q8, q8, q8, _mesh(), axis="sequence"),
      ValueError, r"axis='sequence' is not an axis of the mesh; its axes are \('seq',\)"),
+    # (jax's "cond branches must have equal output types" had named nothing)
+    ("ring_check_vma", lambda: _ring_in_shard_map(q8, q8, q8, check_vma=True, axis_name="seq"),
+     ValueError, r"ring_attention runs inside jax.shard_map\(..., check_vma=False\); got "
+                 r"arrays typed as varying over \['seq'\]"),
     ("ring_axis_name", lambda: _ring_in_shard_map(q8, q8, q8, axis_name="nope"), ValueError,
      r"axis_name='nope' is not an axis of an enclosing jax.shard_map"),
     ("ring_int32", lambda: ring.ring_self_attention(q8.astype(jnp.int32), q8.astype(jnp.int32),
@@ -249,6 +257,21 @@ MISTAKES = [
     ("dropout_rng_keys", lambda: dpa(q, k, v, dropout_rate=0.5, dropout_broadcast=True,
                                      dropout_rng=jax.random.split(jax.random.key(0), 3)),
      TypeError, r"dropout_rng must be one jax.random key .*; got keys of shape \[3\]"),
+    # the modules' dropout_rate, also where nothing is dropped (it had run as 0)
+    ("module_dropout_rate", lambda: nn.MultiHeadDotProductAttention(
+        num_heads=2, dropout_rate=-0.1, deterministic=False).init(
+        jax.random.key(0), jnp.ones((1, 3, 4), jnp.float32)),
+     ValueError, r"dropout_rate must lie in \[0, 1\); got -0.1"),
+    ("nnx_dropout_rate", lambda: attnjax.nnx.MultiHeadAttention(
+        2, 4, dropout_rate=float("nan"), decode=False, rngs=flax.nnx.Rngs(0)),
+     ValueError, r"dropout_rate must lie in \[0, 1\); got nan"),
+    # flax's attention functions take one key/value head per query head (flax's
+    # AssertionError had named nothing)
+    ("module_attention_fn_kv_heads", lambda: nn.MultiHeadDotProductAttention(
+        num_heads=4, num_kv_heads=2, attention_fn=flax.linen.dot_product_attention).init(
+        jax.random.key(0), jnp.ones((1, 3, 8), jnp.float32)),
+     ValueError, r"takes as many key/value heads as query heads; got num_kv_heads=2 for "
+                 r"num_heads=4"),
     ("query_none", lambda: dpa(None, k, v),
      TypeError, r"query must be an array, or a list of numbers of one shape; got NoneType"),
     ("value_str", lambda: dpa(q, k, "abc"),

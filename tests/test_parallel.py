@@ -175,12 +175,20 @@ def test_attention_on_explicit_meshes_and_inside_shard_map(rng, monkeypatch):
         np.testing.assert_allclose(
             attnjax.dot_product_attention(sq, sk, sv, implementation="chunked"),
             attnjax.dot_product_attention(q, k, v), rtol=1e-6, atol=1e-6)
-        # a sequence sharded in its type: ring attention's work, a named error
-        seq = PartitionSpec(None, "data")
+        # a sequence sharded in its type: ring attention's work, a named error for the
+        # chunked kernel; None and dense run it gathered (their products over a sharded
+        # length had been jax's ShardingTypeError)
+        seq = PartitionSpec("data", "model")
         with pytest.raises(ValueError, match=r"implementation='chunked' does not run on a "
                                              r"sequence sharded in its type"):
             attnjax.dot_product_attention(*(jax.device_put(a, seq) for a in (q, k, v)),
                                           implementation="chunked")
+        for implementation in ("dense", None):
+            np.testing.assert_allclose(attnjax.dot_product_attention(
+                sq, *(jax.device_put(a, seq) for a in (k, v)), is_causal=True,
+                implementation=implementation), expected, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(module.apply(variables, jax.device_put(x, seq)),
+                                   module.apply(variables, x), rtol=1e-6, atol=1e-6)
         # keys and values made before the mesh (no sharding in their type), with the
         # query's batch sharded
         got = jax.jit(lambda a: attnjax.dot_product_attention(a, k, v, is_causal=True))(sq)

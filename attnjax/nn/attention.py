@@ -271,6 +271,7 @@ class MultiHeadDotProductAttention(nn.Module):
         if cached is not None:  # not the sizing call of `init`
             key, value = cached[:2]
 
+        _checks.check_dropout_rate(self.dropout_rate)
         dropout_rate = 0.0
         if self.dropout_rate > 0.0 and not nn.merge_param(
                 "deterministic", self.deterministic, deterministic):
@@ -346,6 +347,10 @@ class MultiHeadDotProductAttention(nn.Module):
         """flax's attention call: attention_fn (or flax's own, for the einsum classes and
         complex inputs) with flax's keywords, filtered by its signature."""
         check_flax_signature(self, _ENGINE_FIELDS, attention_options, mask, replaced_by)
+        if key.shape[-2] != query.shape[-2]:
+            raise ValueError(f"{replaced_by} attnjax's engine with flax's attention signature, "
+                             f"which takes as many key/value heads as query heads; got "
+                             f"num_kv_heads={self.num_kv_heads} for num_heads={self.num_heads}")
         if cached is not None:
             mask = nn.combine_masks(mask, kv_cache.filled_slots(cached, query.shape[:-3]))
         attention_fn = self.attention_fn or nn.dot_product_attention

@@ -135,6 +135,7 @@ class MultiHeadAttention(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.broadcast_dropout = broadcast_dropout
+        _checks.check_dropout_rate(dropout_rate)
         self.dropout_rate = dropout_rate
         self.deterministic = deterministic
         self.precision = precision

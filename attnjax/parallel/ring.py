@@ -411,6 +411,11 @@ def _check(query, key, value, layout: str) -> None:
         _checks.check_rank(name, x, (4,), shape)
         _checks.check_floating(name, x)
     _checks.check_same_dtype(query=query, key=key, value=value)
+    varying = sorted(set().union(*(chunked._varying(x) for x in (query, key, value))))
+    if varying:
+        raise ValueError(f"ring_attention runs inside jax.shard_map(..., check_vma=False); got "
+                         f"arrays typed as varying over {varying} (check_vma=True): its skipped "
+                         f"steps' zeros and loop carries start replicated")
     shapes = (f"query {_checks.shape_str(query.shape)} [B, T, N, H], key "
               f"{_checks.shape_str(key.shape)} [B, S, K, H], value "
               f"{_checks.shape_str(value.shape)} [B, S, K, V]")

@@ -380,8 +380,9 @@ def _forward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: bo
 def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
              facts: _Facts = _Facts()):
     """Output `[B, K, G, Tp, V]`, log-sum-exp `[B, K, G, Tp]` (MASKED for rows that see
-    nothing) and its parts (`_backward`'s `lse_parts`). q `[B, K, G, Tp, H]` (heads first, pre-scaled), k and v `[B, Sp, K, ·]`
-    (or already head-major, `[B, K, 1, Sp, ·]`)."""
+    nothing) and its parts (`_backward`'s `lse_parts`). q `[B, K, G, Tp, H]` (heads
+    first, pre-scaled), k and v `[B, Sp, K, ·]` (or already head-major,
+    `[B, K, 1, Sp, ·]`)."""
     sizes = q.shape[:3]
     acc_dtype = _logits_dtype(v.dtype)
     # The block products want keys and values head-major, [B, K, 1, ·, ·] ("heads"

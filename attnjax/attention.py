@@ -553,8 +553,8 @@ def _sharded_in_types(*arrays) -> str | None:
     would slice across devices; None where it can (the batch and the heads may be
     sharded)."""
     for x in arrays:
-        spec = heads.explicit_spec(x)
-        if spec is not None and _sequence_axis(x) < len(spec) and spec[_sequence_axis(x)]:
+        spec = _sequence_sharded(x)
+        if spec is not None:
             return (f"on a sequence sharded in its type (a mesh of jax.sharding.AxisType."
                     f"Explicit axes, jax.make_mesh's default under jax.set_mesh; got "
                     f"sharding {spec}); attnjax.parallel's ring attention runs a sharded "
@@ -567,17 +567,23 @@ def _sequence_axis(x) -> int:
     return 0 if x.ndim == 3 else 1
 
 
+def _sequence_sharded(x):
+    """x's PartitionSpec where a mesh of Explicit axes shards its sequence axis in its
+    type; else None."""
+    spec, axis = heads.explicit_spec(x), _sequence_axis(x)
+    return spec if spec is not None and axis < len(spec) and spec[axis] is not None else None
+
+
 def _sequences_gathered(*arrays):
     """The arrays with their sequence axis unsharded, where a mesh of Explicit axes
     shards it in their types: the dense kernel's products over a sharded length axis
     are ambiguous to jax (a ShardingTypeError), gathered they are not."""
     def gathered(x):
-        spec = heads.explicit_spec(x)
-        axis = _sequence_axis(x)
-        if spec is None or axis >= len(spec) or spec[axis] is None:
+        spec = _sequence_sharded(x)
+        if spec is None:
             return x
-        return jax.sharding.reshard(x, PartitionSpec(*(None if a == axis else entry
-                                                       for a, entry in enumerate(spec))))
+        return jax.sharding.reshard(x, PartitionSpec(
+            *(None if a == _sequence_axis(x) else entry for a, entry in enumerate(spec))))
     return tuple(map(gathered, arrays))
 
 

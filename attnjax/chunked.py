@@ -453,8 +453,8 @@ def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: b
     upcast: d_k's and d_v's products take their (half-precision) operands in the
     accumulator's dtype, the same products (see _upcast_key_value_products)."""
 
-    def step(q_i, q_t, do_i, do_t, lse_i, delta_i, k_j, v_j, mask, bias, dropout_key):
-        shift_i, log_sum_i = lse_i
+    def step(q_i, q_t, do_i, do_t, lse_parts_i, delta_i, k_j, v_j, mask, bias, dropout_key):
+        shift_i, log_sum_i = lse_parts_i
         # q_t `[H, bq]` and do_t `[V, bq]` are q_i and do_i transposed (in memory, not
         # as a view): d_kᵀ = q_iᵀ ds and d_vᵀ = do_iᵀ p are then row-major products,
         # which XLA's CPU backend runs ~4× faster than a product contracting the

@@ -488,7 +488,13 @@ def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: b
                          preferred_element_type=acc_dtype)
         # [bq, bk]: the gradient of the (modified) logits; zero where masked, as p is.
         ds, d_consts = modify_vjp(p * (dp - delta_i[:, None]))
-        ds_in = ds.astype(q_i.dtype)
+        if q_i.dtype == jnp.float16:
+            # ds grows with dO·vᵀ (|dO|·|v|·V), past float16's 65504 where every input,
+            # output and gradient fits: its products take float32 operands (float16
+            # values are exact in float32).
+            ds_in, q_t, k_j = ds, q_t.astype(acc_dtype), k_j.astype(acc_dtype)
+        else:
+            ds_in = ds.astype(q_i.dtype)
         # [H, bk]
         d_k = jnp.einsum("HT,TS->HS", wide(q_t), wide(ds_in), preferred_element_type=acc_dtype)
         d_q = jnp.einsum("TS,SH->TH", ds_in, k_j, preferred_element_type=acc_dtype)

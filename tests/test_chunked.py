@@ -199,6 +199,31 @@ def test_gradients_at_huge_logits_with_tied_keys_equal_dense(magnitude):
         assert np.max(np.abs(got - wide)) <= 4 * np.max(np.abs(want - wide)) + 1e-6
 
 
+@pytest.mark.parametrize("sinks", [None, -5.0])
+def test_float16_gradients_where_do_v_passes_65504(sinks):
+    """float16, values of ±2000 over V = 256: dO·vᵀ ≈ 2.6e5, past float16's range, while
+    every input, output and gradient fits. The gradients are float32's, rounded (the
+    logits' gradient had been cast to float16 for its products: inf, then NaN)."""
+    q, k, _, _ = _inputs(12, 1, 2, 2, 1, 1, 4, 256)
+    k = k * 1e-2
+    v = jnp.concatenate([jnp.full((1, 1, 1, 256), 2000.0), jnp.full((1, 1, 1, 256), -2000.0)],
+                        axis=1)
+    q, k, v = (x.astype(jnp.float16).astype(jnp.float32) for x in (q * 0.1, k, v))
+
+    def grads(dtype):
+        def loss(q, k):
+            out = attnjax.dot_product_attention(
+                q.astype(dtype), k.astype(dtype), v.astype(dtype), implementation="chunked",
+                sinks=None if sinks is None else jnp.asarray([sinks], dtype))
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(q, k)
+
+    half, wide = grads(jnp.float16), grads(jnp.float32)
+    chex.assert_tree_all_finite(half)
+    for g, w in zip(half, wide):
+        assert relative_error(g, w) <= 2e-3
+
+
 def test_dropout_is_deterministic_per_rng_and_unbiased():
     q, k, v, _ = _inputs(9, 2, 12, 20, 2, 2, 4, 5)
 

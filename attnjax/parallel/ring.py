@@ -312,6 +312,8 @@ def _hoisted(mask: Mask) -> tuple[Mask, list]:
 
     def hoist(fn):
         converted, values = chunked.hoist_traced(fn, *example)
+        if not values:   # closing over no tracer: the function as it is
+            return fn, ()
         traced.extend(values)
         return _Hoisted(converted, len(traced) - len(values), len(traced)), ()
 
@@ -321,6 +323,8 @@ def _hoisted(mask: Mask) -> tuple[Mask, list]:
 def _with_traced(mask: Mask, traced: list) -> Mask:
     """`_hoisted`'s mask with its from_fn functions given their values back."""
     def give(fn):
+        if not isinstance(fn, _Hoisted):
+            return fn, ()
         return functools.partial(fn.converted, traced[fn.start:fn.stop]), ()
     return mask.with_functions(give)
 

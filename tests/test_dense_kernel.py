@@ -157,6 +157,37 @@ def test_half_precision_bias_gradient_of_a_row_that_sees_one_key_is_zero(impleme
     assert float(jnp.max(jnp.abs(d_bias[:, :, 0, 0].astype(jnp.float32)))) <= 1e-5
 
 
+@pytest.mark.parametrize("option", ["sinks", "score_mod", "dropout"])
+def test_float16_autodiff_gradients_where_do_v_passes_65504(option):
+    """The options autodiff differentiates, in float16, with values of ±2000 over V = 256:
+    dO·vᵀ ≈ 2.6e5, past float16's range, while every input, output and gradient fits.
+    The gradients are float32's, rounded (the weights' cotangent had been a float16
+    product: inf, then NaN in d_q and d_k)."""
+    generator = draws.host(13)
+    q, k = draws.normals(generator, (1, 2, 1, 4), (1, 2, 1, 4))
+    sign = np.sign(generator.standard_normal((1, 2, 1, 1)))
+    v = jnp.asarray(2000.0 * np.repeat(sign, 256, axis=-1), jnp.float32)
+    q, k = (x.astype(jnp.float16).astype(jnp.float32) for x in (q * 0.1, k * 1e-2))
+    key = jax.random.key(int(generator.integers(1 << 30)))
+
+    def grads(dtype):
+        options = {"sinks": {"sinks": jnp.asarray([0.5], dtype)},
+                   "score_mod": {"score_mod": lambda s, b, n, i, j: s * 0.75},
+                   "dropout": {"dropout_rate": 0.25, "dropout_rng": key}}[option]
+
+        def loss(q, k, v):
+            out = attnjax.dot_product_attention(
+                *(x.astype(dtype) for x in (q, k, v)), implementation="dense", **options)
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    half, wide = grads(jnp.float16), grads(jnp.float32)
+    chex.assert_tree_all_finite(half)
+    for g, w in zip(half, wide):
+        assert g.dtype == jnp.float32   # the loss's inputs, before the casts
+        assert float(jnp.max(jnp.abs(g - w))) <= 2e-3 * float(jnp.max(jnp.abs(w)))
+
+
 def test_nan_in_hidden_rows_and_columns_reaches_no_gradient():
     q, k, v, _, mask, lse_weights = _inputs(3, jnp.float32, None)
     q_lengths, k_lengths = jnp.array([T, 4, 5]), jnp.array([S, 6, 7])

@@ -9,6 +9,8 @@ import io
 import json
 import logging
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from attnjax.toy import cli
 from attnjax.toy.checkpoints import CheckpointError, Checkpoints
 from attnjax.toy.config import dump_config, load_config
 from attnjax.toy.report import MetricsLog
-from tests.children import one_device_mesh
+from tests.children import environment, one_device_mesh
 from tests.test_faults import ROOT, TINY
 
 RECORDS = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
@@ -239,6 +241,55 @@ def test_a_checkpoint_that_does_not_restore_is_said_once(tmp_path, monkeypatch, 
         checkpoints.restore_latest({"w": jnp.ones((3, 6), jnp.float32)})
     checkpoints.close()
     assert echoes(caplog) == []
+
+
+RESTORE_ANOTHER_MODEL = r'''
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from attnjax.toy.checkpoints import CheckpointError, Checkpoints
+from attnjax.toy.cli import collect_less
+
+collect_less()   # the garbage collector as the command runs it
+generator = np.random.default_rng(int(sys.argv[2]))
+
+
+def state(width):
+    return {f"layer_{i}": {"w": jnp.asarray(generator.normal(size=(3, width)), jnp.float32),
+                           "b": jnp.asarray(generator.normal(size=width), jnp.float32)}
+            for i in range(40)}
+
+
+checkpoints = Checkpoints(sys.argv[1], keep=3)
+checkpoints.save(4, state(5), {"step": 4})
+checkpoints.close()
+checkpoints = Checkpoints(sys.argv[1], keep=3)
+try:
+    checkpoints.restore_latest(state(6))
+except CheckpointError as e:
+    print(e)
+finally:
+    checkpoints.close()
+'''
+
+
+def test_a_real_checkpoint_of_another_model_is_said_once_to_the_process_s_end(tmp_path):
+    """The real failure (no stand-in): 40 layers saved 5 wide, restored 6 wide. Orbax's
+    reads in flight fail, and their coroutines, freed after the restore has raised (at
+    close or at exit), each printed an unraisable exception's traceback (13 lines of
+    stderr for the command's one)."""
+    script = tmp_path / "restore.py"
+    script.write_text(RESTORE_ANOTHER_MODEL)
+    seed = str(np.random.default_rng().integers(1 << 30))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "checkpoints"), seed],
+                          cwd=ROOT, env=environment(None), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.fullmatch(r"checkpoint step 4 in .* is intact but does not restore into this "
+                        r"run's model \(ValueError: .*\)\n", done.stdout), done.stdout
+    assert done.stderr == ""
 
 
 def test_orbax_s_echo_of_a_stop_of_several_processes_is_not_logged(caplog):

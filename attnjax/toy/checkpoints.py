@@ -16,11 +16,14 @@ import contextlib
 import errno
 import gc
 import hashlib
+import inspect
 import json
 import logging
 import math
 import os
 import sys
+import types
+import warnings
 from pathlib import Path
 
 import jax
@@ -51,34 +54,52 @@ def _one_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
+def _is_echo(unraisable) -> bool:
+    """An unraisable exception that echoes a failed save or restore: a tensorstore write
+    finding orbax's event loop closed, or one of orbax's coroutines freed with the
+    failure it never handed back (a read of an array of another shape, say)."""
+    error, source = unraisable.exc_value, unraisable.object
+    return ((isinstance(error, RuntimeError) and str(error) == "Event loop is closed")
+            or (inspect.iscoroutine(source)
+                and f"{os.sep}orbax{os.sep}" in source.cr_code.co_filename))
+
+
 @contextlib.contextmanager
 def _failure_said_once():
-    """While a save runs, the echoes of its failure are dropped; the CheckpointError it
-    raises says it once. The echoes: each orbax thread logs the exception it hands back
-    to the save (absl ERROR, with a traceback); once one write fails and orbax closes its
-    event loop, each tensorstore write still in flight reports the loop closed (an
-    unraisable RuntimeError: hundreds of tracebacks on a full disk), and each of its
-    failed tasks, when freed, that its exception was never retrieved (asyncio ERROR)."""
+    """While a save or restore runs, the echoes of its failure are dropped; the
+    CheckpointError it raises says it once. The echoes: each orbax thread logs the
+    exception it hands back (absl ERROR, with a traceback); once one write fails and
+    orbax closes its event loop, each tensorstore write still in flight reports the loop
+    closed (an unraisable RuntimeError: hundreds of tracebacks on a full disk), and each
+    of its failed tasks and coroutines, when freed, that its exception was never
+    retrieved (asyncio ERROR, or unraisable). Those are freed when orbax lets go of them:
+    during the operation, when the manager closes, or at exit. So once the body sets
+    `failed` on what this yields, the filters stay for the rest of the process, which
+    the CheckpointError ends."""
     absl, tasks = logging.getLogger("absl"), logging.getLogger("asyncio")
     unraisable_hook = sys.unraisablehook
+    outcome = types.SimpleNamespace(failed=False)
 
     def logged_exception(record: logging.LogRecord) -> bool:
         return record.exc_info is None
 
-    def loop_closed(unraisable) -> None:
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+    def dropping_echoes(unraisable) -> None:
+        if not _is_echo(unraisable):
             unraisable_hook(unraisable)
 
     absl.addFilter(logged_exception)
     tasks.addFilter(logged_exception)
-    sys.unraisablehook = loop_closed
+    sys.unraisablehook = dropping_echoes
     try:
-        yield
+        yield outcome
     finally:
-        sys.unraisablehook = unraisable_hook
-        tasks.removeFilter(logged_exception)
-        absl.removeFilter(logged_exception)
+        if outcome.failed:   # and a coroutine never started, when freed: a warning
+            warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited",
+                                    RuntimeWarning)
+        else:
+            sys.unraisablehook = unraisable_hook
+            tasks.removeFilter(logged_exception)
+            absl.removeFilter(logged_exception)
 
 
 def _sha256(path: Path) -> str:
@@ -177,7 +198,7 @@ class Checkpoints:
 
     def save(self, step: int, state, record: dict, exact_match: float | None = None) -> None:
         """Writes step completely, manifest included, before returning."""
-        with _failure_said_once():
+        with _failure_said_once() as outcome:
             try:
                 self.manager.save(
                     step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -190,6 +211,7 @@ class Checkpoints:
             except Exception as e:  # whatever orbax or the file system raises: one line
                 failure = (f"cannot save the checkpoint of step {step} in {self.directory}: "
                            f"{_one_line(e)}")
+                outcome.failed = True
             gc.collect()   # the failed save's tasks, while their echoes are dropped
         raise CheckpointError(failure)
 
@@ -231,13 +253,14 @@ class Checkpoints:
         if step is None:
             return None
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        with _failure_said_once():
+        with _failure_said_once() as outcome:
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()))
             except Exception as e:  # the files are as saved: they belong to another model
                 failure = (f"checkpoint step {step} in {self.directory} is intact but does not "
                            f"restore into this run's model ({_one_line(e)})")
+                outcome.failed = True
             else:
                 return step, restored["state"], restored["record"]
             gc.collect()   # the failed restore's tasks, while their echoes are dropped

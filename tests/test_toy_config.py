@@ -83,6 +83,12 @@ def test_overrides_and_round_trip(tmp_path):
     (["data.pack=2"], "data.pack must be bool; got 2"),
     (["data.packs=true"], "unknown key data.packs; valid keys of data are pack, packed_len"),
     (["data=true"], "data must be a mapping; got True"),
+    # values YAML's constructors refuse, and a float past float64's range
+    (["steps=2001-02-30"], "--set 'steps=2001-02-30': the value cannot be read (day is out "
+                           "of range for month)"),
+    (["steps=!!int 1.5"], "--set 'steps=!!int 1.5': the value cannot be read"),
+    (["optim.learning_rate=1" + "0" * 400], "optim.learning_rate must be a float within "
+                                            "float64's range; got an integer of 401 digits"),
 ])
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as error:
@@ -111,6 +117,24 @@ def test_file_errors(tmp_path):
     listed.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="the config must be a mapping"):
         load_config(listed)
+    dated = tmp_path / "dated.yaml"
+    dated.write_text("steps: 2021-13-01\n")
+    with pytest.raises(ConfigError, match=r"config .*dated.yaml holds a value that cannot be "
+                                          r"read: month must be in 1..12"):
+        load_config(dated)
+
+
+def test_a_directory_is_no_config(tmp_path, monkeypatch):
+    """A directory named as a shipped config (the workdir of `--workdir dates --config
+    dates`, rerun to resume) leaves the shipped config its name; another directory is a
+    one-line error."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dates").mkdir()
+    assert load_config("dates") == load_config(CONFIGS / "dates.yaml")
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ConfigError, match=r"^cannot read config runs: a directory, not a "
+                                          r"YAML file$"):
+        load_config("runs")
 
 
 def test_configs_are_frozen():

@@ -205,7 +205,11 @@ def _check_type(value, kind, key: str):
         return None
     for t in allowed:
         if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:   # an int of 400 digits
+                raise ConfigError(f"{key} must be a float within float64's range; got an "
+                                  f"integer of {len(str(abs(value)))} digits") from None
         if t is float and isinstance(value, str):
             try:  # YAML 1.1 reads 1e-3 (no dot) as a string
                 return float(value)
@@ -254,6 +258,8 @@ def apply_override(data: dict, override: str) -> None:
         value = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {override!r}: the value is not YAML ({e.problem})") from None
+    except (ValueError, OverflowError) as e:   # YAML's own, that its constructors refuse
+        raise ConfigError(f"--set {override!r}: the value cannot be read ({e})") from None
     *parents, leaf = key.strip().split(".")
     node = data
     for part in parents:
@@ -278,13 +284,18 @@ def resolve_config(name_or_path: str | Path) -> Path:
     (with or without `.yaml`). Neither is a `ConfigError` listing the shipped names."""
     path = Path(name_or_path)
     try:
-        if path.exists():
-            return path
+        # a directory is no config: `--workdir dates --config dates` resumes from inside
+        # the directory that holds the workdir named dates
+        found, directory = path.exists(), path.is_dir()
     except OSError as e:  # a name too long for the filesystem, say
         raise ConfigError(f"cannot read config {name_or_path}: {e.strerror}") from None
+    if found and not directory:
+        return path
     stem = path.name.removesuffix(".yaml")
     if path.parent == Path() and stem in shipped_configs():
         return SHIPPED_CONFIGS / f"{stem}.yaml"
+    if directory:
+        raise ConfigError(f"cannot read config {name_or_path}: a directory, not a YAML file")
     shipped = ", ".join(shipped_configs())
     hint = (f"; the shipped {stem!r} is --config {stem}" if stem in shipped_configs() else "")
     raise ConfigError(f"cannot read config {name_or_path}: no such file, nor a shipped config "
@@ -310,6 +321,8 @@ def load_config(path: str | Path | None = None, overrides=()) -> Config:
                               f"{str(e).splitlines()[0]}") from None
         except RecursionError:
             raise ConfigError(f"config {path} is nested too deeply to read") from None
+        except (ValueError, OverflowError) as e:   # a date of 2021-13-01, `!!int 1.5`
+            raise ConfigError(f"config {path} holds a value that cannot be read: {e}") from None
         data = {} if data is None else data
         if not isinstance(data, dict):  # overrides need sections to go into
             raise ConfigError(f"the config must be a mapping of sections and keys; got "

@@ -129,6 +129,28 @@ def test_a_name_too_long_for_the_filesystem_is_one_line(tmp_path, capsys, flag):
     _one_line(capsys, "error: ", "File name too long")
 
 
+@pytest.mark.parametrize("error", [
+    # numpy's, for a held-out set of 2**31 examples
+    MemoryError("Unable to allocate 128. GiB for an array with shape (2147483647, 16) and "
+                "data type int32"),
+    # XLA's, for a batch the device cannot hold
+    jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                               "137438953472 bytes.\nmore of XLA's details"),
+])
+def test_memory_that_runs_out_is_one_line(tmp_path, capsys, monkeypatch, error):
+    """A size in range that the machine cannot hold (batch_size=2147483647, say) exits 1
+    with one line naming what to lower (a traceback of 28 lines)."""
+    def allocating(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(cli, "make_task", allocating)
+    tiny = [a for o in TINY for a in ("--set", o)]
+    assert cli.main(["--workdir", str(tmp_path / "w"), *tiny]) == 1
+    said = str(error).splitlines()[0]
+    _one_line(capsys, f"error: out of memory ({said}); lower batch_size, eval_batch_size, "
+                      f"task.eval_size or the model's sizes")
+
+
 def test_a_config_nested_too_deeply_is_one_line(tmp_path, capsys):
     path = tmp_path / "deep.yaml"
     path.write_text("[" * 3000 + "]" * 3000)

@@ -881,6 +881,14 @@ def _leave_others_briefly(status: int, wait_s: float = 30.0) -> None:
         _leave_now(status, "")
 
 
+def _out_of_memory(error: Exception) -> int:
+    """Exit status 1 for a run whose memory ran out, said in one line."""
+    said = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    print(f"error: out of memory ({said}); lower batch_size, eval_batch_size, task.eval_size "
+          f"or the model's sizes", file=sys.stderr)
+    return 1
+
+
 def main(argv=None, *, early_signals=()) -> int:
     """The command line; returns the exit status. early_signals: SIGINT/SIGTERM numbers
     received before main ran (train_toy.py catches them while the libraries load)."""
@@ -916,8 +924,12 @@ def main(argv=None, *, early_signals=()) -> int:
             return 1
         except jax.errors.JaxRuntimeError as e:
             if jax.process_count() == 1:
-                raise
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                return _out_of_memory(e)
             _leave_now(1, f"error: {_lost_contact(e)}")
+        except MemoryError as e:   # the data on the host: a batch or held-out set too large
+            return _out_of_memory(e)
         except Interrupted as e:
             print(e, file=sys.stderr)
             return e.exit_status

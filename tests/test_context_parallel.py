@@ -7,6 +7,7 @@ step for step, for both models; two processes (gloo) equal one."""
 import collections
 import functools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -231,11 +232,17 @@ def test_seq_sharded_training_equals_one_device(one_device, float32, model):
     np.testing.assert_allclose(losses, one_device[model], rtol=1e-5, atol=0)
 
 
-def test_unsupported_model_options_are_config_errors(tmp_path):
-    config = load_config(None, TINY + ["model.attention_soft_cap=30"])
-    with pytest.raises(ConfigError, match=r"model.attention_soft_cap=30.0 is not supported "
-                                          r"with a seq mesh axis \(seq=2\)"):
+@pytest.mark.parametrize("option, said", [
+    ("model.attention_soft_cap=30", "model.attention_soft_cap=30.0"),
+    # refused before the workdir is claimed and compilation begins, naming the key
+    ("model.attention_score=general", "model.attention_score='general'"),
+])
+def test_unsupported_model_options_are_config_errors(tmp_path, option, said):
+    config = load_config(None, TINY + [option])
+    with pytest.raises(ConfigError, match=rf"^{re.escape(said)} is not supported with a seq "
+                                          rf"mesh axis \(seq=2\)"):
         cli.run(config, tmp_path, mesh=_mesh())
+    assert not tmp_path.joinpath("config.yaml").exists()
     sequence_parallel.check(config, mesh_lib.make_mesh({"data": 4}, jax.devices()[:4]))
 
 

@@ -46,12 +46,15 @@ def check(config, mesh) -> None:
         return
     unsupported = {"model.attention_dropout_rate": config.model.attention_dropout_rate > 0,
                    "model.attention_soft_cap": config.model.attention_soft_cap is not None,
-                   "model.attention_sinks": config.model.attention_sinks}
+                   "model.attention_sinks": config.model.attention_sinks,
+                   "model.attention_score": config.model.attention_score
+                   not in ("scaled_dot", "dot")}
     for key, used in unsupported.items():
         if used:
             raise ConfigError(f"{key}={getattr(config.model, key.split('.')[1])!r} is not "
                               f"supported with a seq mesh axis (seq={num_shards(mesh)}): ring "
-                              f"attention has no attention dropout, soft cap or sinks")
+                              f"attention has no attention dropout, soft cap, sinks or "
+                              f"learned alignment (attention_score general or additive)")
 
 
 def lay_out(batch: Batch | Sequences, shards: int) -> Batch | PositionedBatch | Sequences:

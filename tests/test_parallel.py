@@ -93,8 +93,9 @@ def test_parameters_are_split_in_the_megatron_layout(float32):
 def test_mesh_errors():
     with pytest.raises(ValueError, match="the mesh {'data': 3} needs 3 devices; there are 4"):
         mesh_lib.make_mesh({"data": 3}, jax.devices()[:4])
-    with pytest.raises(ValueError, match="--mesh expects axis=size pairs"):
-        mesh_lib.parse_mesh("data=2,heads=2")
+    for text in ("data=2,heads=2", "data=²", "data=٢"):   # digits int() refuses, or reads
+        with pytest.raises(ValueError, match="--mesh expects axis=size pairs"):
+            mesh_lib.parse_mesh(text)
     assert mesh_lib.parse_mesh("data=2,model=2") == {"data": 2, "model": 2}
     with pytest.raises(ValueError, match=r"query/kernel \(32, 2, 16\) is split over model=4, "
                                          r"which must divide its size 2"):

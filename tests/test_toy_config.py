@@ -87,6 +87,7 @@ def test_overrides_and_round_trip(tmp_path):
     (["steps=2001-02-30"], "--set 'steps=2001-02-30': the value cannot be read (day is out "
                            "of range for month)"),
     (["steps=!!int 1.5"], "--set 'steps=!!int 1.5': the value cannot be read"),
+    (["..steps=3"], "--set '..steps=3': the key '..steps' has an empty part"),
     (["optim.learning_rate=1" + "0" * 400], "optim.learning_rate must be a float within "
                                             "float64's range; got an integer of 401 digits"),
 ])

@@ -41,7 +41,10 @@ def parse_mesh(text: str) -> dict[str, int]:
     for part in text.split(","):
         name, sep, size = part.partition("=")
         name = name.strip()
-        if not sep or name not in AXES or not size.strip().isdigit() or int(size) < 1:
+        size = size.strip()
+        # isdecimal, not isdigit: '²' is a digit that int() refuses
+        if not sep or name not in AXES or not (size.isascii() and size.isdecimal()) \
+                or int(size) < 1:
             raise ValueError(f"--mesh expects axis=size pairs over {AXES}, e.g. data=2,model=2 "
                              f"or data=2,seq=2; got {text!r}")
         if name in shape:

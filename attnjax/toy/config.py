@@ -261,6 +261,9 @@ def apply_override(data: dict, override: str) -> None:
     except (ValueError, OverflowError) as e:   # YAML's own, that its constructors refuse
         raise ConfigError(f"--set {override!r}: the value cannot be read ({e})") from None
     *parents, leaf = key.strip().split(".")
+    if not all(part.strip() for part in (*parents, leaf)):
+        raise ConfigError(f"--set {override!r}: the key {key.strip()!r} has an empty part "
+                          f"(expected key.sub=value)")
     node = data
     for part in parents:
         node = node.setdefault(part, {})

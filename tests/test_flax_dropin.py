@@ -506,6 +506,21 @@ def test_force_fp32_for_softmax_is_accepted(rng):
                                rtol=5e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_force_fp32_for_softmax_without_a_dtype_returns_flax_s_float32(rng, dtype):
+    """dtype=None, inputs and parameters in half precision: flax's float32 weights
+    promote its weighted sum and its out projection, so it returns float32 (attnjax
+    had returned the half dtype)."""
+    x = _x(rng, B1, T, D, dtype=dtype)
+    theirs, ours = _pair(num_heads=N, qkv_features=QKV, param_dtype=dtype,
+                         force_fp32_for_softmax=True)
+    params = _perturbed(_flax_init(theirs, rng, x)["params"], rng)
+    expected = _flax_apply(theirs, {"params": params}, x)
+    got = _jit(ours.apply, {"params": params}, x)
+    assert got.dtype == expected.dtype == jnp.float32
+    np.testing.assert_allclose(got, expected, rtol=5e-2, atol=5e-2)
+
+
 # --- decode ----------------------------------------------------------------------------
 
 

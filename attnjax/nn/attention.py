@@ -286,6 +286,11 @@ class MultiHeadDotProductAttention(nn.Module):
         if replaced_by is None:
             heads = self._engine(query, key, value, mask, cached, dropout_rate, dropout_rng,
                                  sow_weights, dtype, implementation, attention_options)
+            if (self.force_fp32_for_softmax and self.dtype is None
+                    and heads.dtype in (jnp.bfloat16, jnp.float16)):
+                # flax's float32 weights promote its weighted sum, and with dtype=None
+                # its out projection: the output is float32 where the inputs are halves
+                heads = heads.astype(jnp.float32)
         else:
             heads = self._flax_attention(query, key, value, mask, cached, dropout_rate,
                                          dropout_rng, sow_weights, attention_options,

@@ -228,14 +228,16 @@ def dot_product_attention(
         # jax.nn's name for plain XLA, which both of attnjax's own kernels are.
         implementation = None
     query, key, value, shape = _check_inputs(query, key, value, alignment is None)
-    query, scale = _traced_scale(query, scale, alignment)
     dtype = key.dtype
     if (dtype == jnp.float16 and alignment is None and implementation != "cudnn"
-            and _checks.resolve_scale(scale, query.shape[-1]) > 1.0):
+            and (isinstance(scale, jax.core.Tracer)
+                 or _checks.resolve_scale(scale, query.shape[-1]) > 1.0)):
         # The kernels' first step is q·scale in q's dtype, which a scale above 1 can
-        # take past float16's 65504 (q = 100, scale = 1000: inf, then NaN): float32
-        # inside, as for the softmax, and the results in float16.
+        # take past float16's 65504 (q = 100, scale = 1000: inf, then NaN), and a traced
+        # scale may be any: float32 inside, as for the softmax, and the results in
+        # float16.
         query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
+    query, scale = _traced_scale(query, scale, alignment)
     if shape.unbatched:   # jax.nn's forms too: it gives an unbatched call a batch of one
         bias, mask = _batch_of_one_dropped(bias, 4), _batch_of_one_dropped(mask, 4)
         query_lengths = _batch_of_one_dropped(query_lengths, 1)

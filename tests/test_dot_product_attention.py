@@ -146,22 +146,26 @@ def test_matches_float64_reference_causal_and_windows(rng, t, s, causal, window)
     np.testing.assert_allclose(ours, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("traced", [False, True])
 @pytest.mark.parametrize("implementation", ["dense", "chunked"])
-def test_float16_with_a_scale_above_one_is_the_float32_result(implementation):
+def test_float16_with_a_scale_above_one_is_the_float32_result(implementation, traced):
     """float16 with scale=1000 (in range) and queries of ~100: q·scale passes float16's
-    65504 (it was inf, then NaN, in both kernels; jax.nn computes it). Output and
-    gradients are those of the float32 call whose output is rounded to float16."""
+    65504 (it was inf, then NaN, in both kernels; jax.nn computes it), and so it did for
+    the same scale traced under jit (a learned temperature, say). Output and gradients
+    are those of the float32 call whose output is rounded to float16."""
     q, k, v, d_out = draws.normals(3, (2, 5, 2, 4), (2, 6, 2, 4), (2, 6, 2, 4), (2, 5, 2, 4))
     # float16's values, so that both calls take the same numbers
     q, k, v = (x.astype(jnp.float16).astype(jnp.float32) for x in (q * 50.0, k * 0.01, v))
 
     def grads(dtype):
-        def loss(q, k, v):
+        def loss(q, k, v, scale):
             out = attnjax.dot_product_attention(*(x.astype(dtype) for x in (q, k, v)),
-                                                scale=1000.0, implementation=implementation)
+                                                scale=scale if traced else 1000.0,
+                                                implementation=implementation)
             out = out.astype(jnp.float16)
             return jnp.sum(out.astype(jnp.float32) * d_out), out
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            q, k, v, jnp.float32(1000.0))
 
     (half, out), (wide, out_wide) = grads(jnp.float16), grads(jnp.float32)
     chex.assert_tree_all_finite((out, half))

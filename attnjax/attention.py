@@ -222,8 +222,9 @@ def dot_product_attention(
                           key_value_seq_lengths)
     window = _one_of("window", window, "local_window_size", local_window_size)
     # Python lists and numbers too, as jax.nn takes them
-    bias, query_lengths, key_lengths = (_as_array(name, x) for name, x in (
-        ("bias", bias), ("query_lengths", query_lengths), ("key_lengths", key_lengths)))
+    bias, mask, query_lengths, key_lengths = (_as_array(name, x) for name, x in (
+        ("bias", bias), ("mask", mask), ("query_lengths", query_lengths),
+        ("key_lengths", key_lengths)))
     if implementation == "xla":
         # jax.nn's name for plain XLA, which both of attnjax's own kernels are.
         implementation = None

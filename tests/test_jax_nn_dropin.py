@@ -137,22 +137,26 @@ def test_unbatched_call_with_jax_nn_s_batch_of_one(own_checks_only):
     np.testing.assert_array_equal(np.asarray(got)[~rows], 0.0)
 
 
-def test_lengths_and_bias_may_be_python_lists_as_in_jax_nn(own_checks_only):
+def test_lengths_bias_and_mask_may_be_python_lists_as_in_jax_nn(own_checks_only):
     q, k, v = _qkv(19)
     host = _host(20)
     q_len, k_len = host.integers(1, T + 1, B).tolist(), host.integers(1, S + 1, B).tolist()
     bias = host.standard_normal((T, S)).astype(np.float32)
+    mask = host.random((T, S)) < 0.8
     kw = dict(query_seq_lengths=q_len, key_value_seq_lengths=tuple(k_len))
-    as_lists = attnjax.dot_product_attention(q, k, v, bias=bias.tolist(), **kw)
+    as_lists = attnjax.dot_product_attention(q, k, v, bias=bias.tolist(), mask=mask.tolist(),
+                                             **kw)
     np.testing.assert_array_equal(as_lists, attnjax.dot_product_attention(
-        q, k, v, bias=jnp.asarray(bias), query_seq_lengths=jnp.asarray(q_len, jnp.int32),
+        q, k, v, bias=jnp.asarray(bias), mask=jnp.asarray(mask),
+        query_seq_lengths=jnp.asarray(q_len, jnp.int32),
         key_value_seq_lengths=jnp.asarray(k_len, jnp.int32)))
-    rows = _visible(T, S, kw)[:, 0].any(-1)   # [B, T]
+    rows = _visible(T, S, kw, mask)[:, 0].any(-1)   # [B, T]
     np.testing.assert_allclose(np.asarray(as_lists)[rows], np.asarray(
-        _jax_nn(q, k, v, bias=bias.tolist(), **kw))[rows], rtol=1e-5, atol=1e-5)
+        _jax_nn(q, k, v, bias=bias.tolist(), mask=mask.tolist(), **kw))[rows],
+        rtol=1e-5, atol=1e-5)
     # a list of jax values, traced by a jit
     traced = jax.jit(lambda n: attnjax.dot_product_attention(
-        q, k, v, bias=bias.tolist(), query_seq_lengths=q_len,
+        q, k, v, bias=bias.tolist(), mask=mask.tolist(), query_seq_lengths=q_len,
         key_value_seq_lengths=[n] + k_len[1:]))(jnp.int32(k_len[0]))
     np.testing.assert_allclose(traced, as_lists, rtol=1e-6, atol=1e-6)
     with pytest.raises(TypeError, match="key_lengths must have an integer dtype; got float"):

@@ -285,7 +285,7 @@ class _Facts:
     near_zero: tuple[float, Callable] | None = None
 
 
-def _facts(score_mod, consts, bias, logits_dtype) -> _Facts:
+def _facts(score_mod, consts, bias, logits_dtype, value_dtype) -> _Facts:
     if score_mod is None:
         return _Facts()
     lo, hi = getattr(score_mod, "bounds", (-math.inf, math.inf))
@@ -294,8 +294,12 @@ def _facts(score_mod, consts, bias, logits_dtype) -> _Facts:
     # the near-zero blocks are found from q and k alone (no bias).
     if consts or bias is not None or jnp.dtype(logits_dtype) != jnp.float32:
         near_zero = None
+    # The weights meet v in v's dtype: shifted by hi, a row's largest may be as small as
+    # e^−(hi − lo), which must stay a normal number there. float16's smallest is e^−9.7:
+    # soft_cap(30)'s rows of ordinary logits, shifted by 30, were all zeros.
+    bounded = min(BOUNDED_RANGE, -math.log(float(jnp.finfo(value_dtype).tiny)))
     return _Facts(getattr(score_mod, "monotone", None),
-                  float(hi) if hi - lo <= BOUNDED_RANGE else None, near_zero)
+                  float(hi) if hi - lo <= bounded else None, near_zero)
 
 
 def row_norms(q, k):
@@ -694,7 +698,7 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
                              q, k, bias, mask)
         example = (logits, *indices)
         mod, consts = closure_convert_all(score.mod, *example)
-    facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype))
+    facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype), v.dtype)
     near = _near(plan, facts, given_q, given_k, score.scale, norms)
     return plan, q, k, v, bias, mask, table, mod, list(consts), facts, near
 

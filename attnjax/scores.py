@@ -137,8 +137,9 @@ def additive_score(
 # alone, through a non-decreasing function f, may set `score_mod.monotone = f`: the
 # chunked kernel then takes row maxima before the modification. One whose values always
 # lie in [lo, hi] may set `score_mod.bounds = (lo, hi)`: where hi − lo is small enough
-# (`attnjax.chunked.BOUNDED_RANGE`), the chunked kernel shifts every row by hi instead of
-# by a running maximum. One that, on float32 scores no larger than `limit` in magnitude,
+# (`attnjax.chunked.BOUNDED_RANGE`; for float16 values, 9.7, as e^−(hi − lo) must stay a
+# normal float16), the chunked kernel shifts every row by hi instead of by a running
+# maximum. One that, on float32 scores no larger than `limit` in magnitude,
 # equals a cheaper function g of the score alone may set `score_mod.near_zero = (limit,
 # g)`: the chunked kernel uses g on every block whose logits (of every head) all lie
 # within ±limit. One that holds a value per query head (alibi's slopes, a relative

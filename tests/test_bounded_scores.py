@@ -103,7 +103,7 @@ def test_soft_cap_on_mixed_blocks_equals_dense(causal, cap):
     q, k, v, d_out, sinks = _inputs(1)
     mask = masks.causal() if causal else None
     mod = scores.soft_cap(cap)
-    assert (chunked._facts(mod, [], None, jnp.float32).ceiling is None) == (cap == 40.0)
+    assert (chunked._facts(mod, [], None, jnp.float32, jnp.float32).ceiling is None) == (cap == 40.0)
     run = jax.jit(lambda *a: _dense_and_chunked(*a, mask, mod))
     (dense_out, dense_grads), (out, grads) = run(q, k, v, d_out, sinks)
     assert relative_error(out, dense_out) < 2e-5
@@ -131,7 +131,7 @@ def test_bounded_shift_keeps_rows_of_very_negative_logits():
         attnjax.dot_product_attention(q, k, v, score_mod=mod, implementation=implementation,
                                       block_sizes=blocks)
         for implementation, blocks in (("dense", None), ("chunked", (8, 16)))])(q, k, v)
-    assert chunked._facts(mod, [], None, jnp.float32).ceiling == cap
+    assert chunked._facts(mod, [], None, jnp.float32, jnp.float32).ceiling == cap
     assert np.all(np.isfinite(np.asarray(out)))
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), rtol=0, atol=2e-5)
 
@@ -164,14 +164,43 @@ def test_bounded_shift_with_large_sinks_and_rows_that_see_nothing():
 
 def test_only_narrow_bounds_and_float32_take_the_fast_paths():
     wide = scores.soft_cap(chunked.BOUNDED_RANGE)          # range 2·64 > 64
-    facts = chunked._facts(wide, [], None, jnp.float32)
+    facts = chunked._facts(wide, [], None, jnp.float32, jnp.float32)
     assert facts.ceiling is None and facts.near_zero is not None
     narrow = scores.soft_cap(20.0)
-    assert chunked._facts(narrow, [], None, jnp.float32).ceiling == 20.0
+    assert chunked._facts(narrow, [], None, jnp.float32, jnp.float32).ceiling == 20.0
     # float64 logits, or a bias: no near-zero form (its accuracy is float32's; the
     # Cauchy–Schwarz bound covers q·k alone)
-    assert chunked._facts(narrow, [], None, jnp.float64).near_zero is None
-    assert chunked._facts(narrow, [], jnp.ones((1, 1, 1, 1)), jnp.float32).near_zero is None
+    assert chunked._facts(narrow, [], None, jnp.float64, jnp.float64).near_zero is None
+    assert chunked._facts(narrow, [], jnp.ones((1, 1, 1, 1)), jnp.float32,
+                          jnp.float32).near_zero is None
     # chain() keeps the last modification's bounds
     chained = scores.chain(scores.alibi(scores.alibi_slopes(2)), narrow)
     assert chained.bounds == (-20.0, 20.0)
+
+
+@pytest.mark.parametrize("cap", [4.0, 20.0, 30.0])
+def test_float16_soft_cap_rows_are_not_shifted_past_float16_s_range(cap):
+    """float16 weights meet v in float16, whose smallest normal is e^−9.7: rows of
+    ordinary logits shifted by a cap of 20 or 30 (the fixed shift) weighed e^−20 to
+    e^−30, zero in float16, and the chunked output was all zeros (its gradients wrong
+    too). A cap of 4 keeps the fixed shift. Output and gradients are dense's, within
+    float16's rounding."""
+    generator = draws.host(int(cap))
+    q, k, v, d_out = draws.normals(generator, (1, 40, 2, H), (1, 40, 2, H), (1, 40, 2, H),
+                                   (1, 40, 2, H), dtype=jnp.float16)
+    mod = scores.soft_cap(cap)
+    assert (chunked._facts(mod, [], None, jnp.float32, jnp.float16).ceiling is None) == (
+        cap > 9.0)
+
+    def loss(q, k, v, implementation, blocks):
+        out = attnjax.dot_product_attention(q, k, v, is_causal=True, score_mod=mod,
+                                            implementation=implementation, block_sizes=blocks)
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
+
+    run = jax.jit(lambda q, k, v: [
+        jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, implementation, blocks)
+        for implementation, blocks in (("dense", None), ("chunked", (8, 16)))])
+    (dense_grads, dense), (grads, out) = run(q, k, v)
+    assert relative_error(out, dense) < 5e-3
+    for name, got, want in zip("qkv", grads, dense_grads):
+        assert relative_error(got, want) < 5e-3, name

@@ -170,6 +170,39 @@ def test_the_kept_memory_is_read_without_a_copy(rng):
     assert len(written) == 2, written
 
 
+def test_a_decode_cache_sized_by_init_decodes_the_memory_it_is_given(rng):
+    """Transformer(decode=True).init sizes the cache with a stand-in source; its
+    cross-attentions had kept that source's projected memory, and every step decoded it
+    instead of the memory given (logits 1.2 off a full forward of the real source).
+    Steps now equal the full forward; a step given another memory than the cache keeps
+    projected is a named error."""
+    config = nn.TransformerConfig(src_vocab_size=13, tgt_vocab_size=11, d_model=32,
+                                  num_heads=4, d_ff=64, num_encoder_layers=1,
+                                  num_decoder_layers=1, dropout_rate=0.0)
+    model = nn.Transformer(config)
+    generator = draws.host(int(jax.random.randint(rng, (), 0, 1 << 30)))
+    src, stand_in = (jnp.asarray(generator.integers(3, 13, (2, 7)), jnp.int32)
+                     for _ in range(2))
+    tgt = jnp.asarray(generator.integers(3, 11, (2, 6)), jnp.int32)
+    params = model.init(rng, src, tgt)["params"]
+    full = model.apply({"params": params}, src, tgt)
+    decoder = model.clone(decode=True)
+    cache = decoder.init(rng, stand_in, tgt)["cache"]
+    memory = model.apply({"params": params}, src, method=nn.Transformer.encode)
+    step = jax.jit(lambda cache, token, memory: decoder.apply(
+        {"params": params, "cache": cache}, token, memory,
+        method=nn.Transformer.decode_logits, mutable=["cache"]))
+    logits = []
+    for i in range(tgt.shape[1]):
+        out, variables = step(cache, tgt[:, i:i + 1], memory)
+        cache = variables["cache"]
+        logits.append(out)
+    np.testing.assert_allclose(jnp.concatenate(logits, axis=1), full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"inputs_k \[2, 3, 32\] is not the memory the cache "
+                                         r"keeps projected \(batch \[2\], S=7\)"):
+        step(cache, tgt[:, :1], memory[:, :3])
+
+
 def test_one_query_reads_the_kept_memory_on_the_dense_kernel():
     """implementation=None reads the kept memory on the dense kernel even where keys
     this long would run chunked: the chunked kernel would copy the `[B, K, H, S]`

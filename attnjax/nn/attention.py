@@ -164,8 +164,9 @@ class MultiHeadDotProductAttention(nn.Module):
 
     With cache_key_value=True (cross-attention to a fixed memory while decoding), the
     projected keys and values are kept in the "cache" collection as projected_key and
-    projected_value `[batch..., K, H|V, S]` by the first call that may write it; a call
-    that finds them there reuses them and does not read inputs_k / inputs_v. The
+    projected_value `[batch..., K, H|V, S]` by the first call that may write it (not
+    `init`, whose inputs only size the cache); a call that finds them there reuses them
+    and does not read inputs_v (inputs_k of another shape is an error). The
     encoder–decoder's decoding (`attnjax.nn.greedy_decode`) projects its memory once
     this way. Their layout, the memory's positions last, is the one XLA's CPU products
     read, so that a decoding step does not copy them.
@@ -238,6 +239,13 @@ class MultiHeadDotProductAttention(nn.Module):
         query = qkv(shapes["query"], name="query")(inputs_q)
         implementation = self.implementation
         if self.cache_key_value and self.has_variable("cache", PROJECTED_KEY_VALUE[0]):
+            kept = self.get_variable("cache", PROJECTED_KEY_VALUE[0])
+            if (inputs_k.shape[:-2], inputs_k.shape[-2]) != (kept.shape[:-3], kept.shape[-1]):
+                raise ValueError(
+                    f"inputs_k {_checks.shape_str(inputs_k.shape)} is not the memory the "
+                    f"cache keeps projected (batch {_checks.shape_str(kept.shape[:-3])}, "
+                    f"S={kept.shape[-1]}): another memory is decoded from a cache without "
+                    f"projected_key and projected_value")
             # [batch..., S, K, H], [batch..., S, K, V]: projected by an earlier call
             key, value = (jnp.moveaxis(self.get_variable("cache", name), -1, -3)
                           for name in PROJECTED_KEY_VALUE)
@@ -254,8 +262,11 @@ class MultiHeadDotProductAttention(nn.Module):
             value = qkv(shapes["value"], name="value")(inputs_v)
             query, key, value = multi_head.activate_projections(
                 self.projection_activation, query, key, value)
-            if self.cache_key_value and self.is_mutable_collection("cache"):
-                # kept [batch..., K, H|V, S] (see _kept); this call reads them too
+            if (self.cache_key_value and self.is_mutable_collection("cache")
+                    and not self.is_initializing()):
+                # kept [batch..., K, H|V, S] (see _kept); this call reads them too. Not
+                # by init, which sizes the cache with a stand-in memory: the first call
+                # that decodes projects the memory it is given.
                 kept = [_kept(x) for x in (key, value)]
                 for name, x in zip(PROJECTED_KEY_VALUE, kept):
                     self.put_variable("cache", name, x)

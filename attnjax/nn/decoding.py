@@ -152,7 +152,8 @@ def _start_cache(model: Transformer, params, memory, src_lengths, *, max_len: in
     the dates model's starting cache, jitted alone, took 3.0 ms a call against 2.2-2.6)."""
     tgt = jnp.zeros((memory.shape[0], max_len), jnp.int32)
     decoder = model.clone(decode=True)
-    cache = _without_memory(_empty_cache(decoder, memory, tgt, method=_full_length_decoder))
+    # (init keeps no projected memory: the first call that decodes projects its own)
+    cache = _empty_cache(decoder, memory, tgt, method=_full_length_decoder)
     if not memory_cache:
         return cache
     with kv_cache.sized_for_every_append():   # one token into caches of max_len
@@ -165,16 +166,21 @@ def _start_cache(model: Transformer, params, memory, src_lengths, *, max_len: in
 def _with_memory(cache, primed):
     """cache with the cross-attentions' projected memory of primed added."""
     return {name: (sub if name in PROJECTED_KEY_VALUE
-                   else _with_memory(cache[name], sub) if hasattr(sub, "items")
+                   else _with_memory(cache.get(name, {}), sub) if hasattr(sub, "items")
                    else cache[name])
             for name, sub in primed.items()}
 
 
 def _without_memory(cache):
-    """The cache without the cross-attentions' projected memory."""
-    return {name: _without_memory(sub) if hasattr(sub, "items") else sub
-            for name, sub in cache.items()
-            if name not in PROJECTED_KEY_VALUE}
+    """The cache without the cross-attentions' projected memory (nor the collections
+    that held only that), as init leaves it."""
+    kept = {}
+    for name, sub in cache.items():
+        if hasattr(sub, "items"):
+            sub = _without_memory(sub)
+        if name not in PROJECTED_KEY_VALUE and not (hasattr(sub, "items") and not sub):
+            kept[name] = sub
+    return kept
 
 
 def _full_length_decoder(module, memory, tgt):

@@ -376,3 +376,22 @@ def test_nnx_training_matches_linen(float32):
     assert linen_losses[-1] < 0.6 * linen_losses[0]
     assert linen_acc["exact_match"] > 0.2
     assert nnx_acc == linen_acc
+
+
+def test_a_refused_append_leaves_the_position_counter_as_it_was(own_checks_only):
+    """Two tokens into a cache with one free slot are refused (a KV cache overrun); the
+    positions' counter had advanced in place before the refusal, and the next, valid
+    token was encoded two places on (logits 0.44 off the full forward)."""
+    config = nn.DecoderOnlyConfig(vocab_size=17, d_model=32, num_heads=4, d_ff=64,
+                                  num_layers=1, dropout_rate=0.0)
+    generator = np.random.default_rng()
+    tokens = jnp.asarray(generator.integers(0, 17, (1, 4)), jnp.int32)
+    seed = int(generator.integers(1 << 30))
+    full = anx.DecoderOnly(config, rngs=nnx.Rngs(seed))(tokens)
+    model = anx.DecoderOnly(config, decode=True, rngs=nnx.Rngs(seed))
+    model.init_cache(1, 4)
+    model(tokens[:, :3])
+    with pytest.raises(ValueError, match="KV cache overrun: 2 new tokens at position 3"):
+        model(jnp.concatenate([tokens[:, 3:], tokens[:, 3:]], axis=1))
+    assert int(model.embed.positions.position[...]) == 3
+    np.testing.assert_allclose(model(tokens[:, 3:])[:, 0], full[:, 3], rtol=1e-5, atol=1e-5)

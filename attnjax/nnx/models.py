@@ -10,6 +10,7 @@ call arguments, plus `rngs` (an `nnx.Rngs` with a "dropout" stream) where linen 
 max_length)` sizes every KV cache (`attnjax.kv_cache`) and the positions' counters.
 """
 
+import contextlib
 from typing import Any
 
 import jax
@@ -67,6 +68,19 @@ class PositionalEncoding(nnx.Module):
 
     def init_cache(self) -> None:
         self.position = nnx.Cache(jnp.array(0, jnp.int32))
+
+    @contextlib.contextmanager
+    def unchanged_on_error(self):
+        """A call refused inside this block (a KV cache overrun, say) leaves the counter as
+        it was: it advanced in place before the append refused the tokens, and the next
+        token was encoded at the wrong position."""
+        before = None if self.position is None else self.position[...]
+        try:
+            yield
+        except Exception:
+            if before is not None:
+                self.position[...] = before
+            raise
 
     def __call__(self, x, positions=None):
         length, d_model = x.shape[-2], x.shape[-1]
@@ -309,10 +323,12 @@ class Transformer(nnx.Module):
         check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size,
                      None if self.decode else tgt_positions)
         mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids)
-        x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, rngs=rngs,
-                           embed=self.shared_embedding)
-        x = self.decoder(x, memory, mask=mask, memory_mask=memory_mask, positions=tgt_positions,
-                         deterministic=deterministic, sow_weights=sow_weights, rngs=rngs)
+        with self.tgt_embed.positions.unchanged_on_error():
+            x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, rngs=rngs,
+                               embed=self.shared_embedding)
+            x = self.decoder(x, memory, mask=mask, memory_mask=memory_mask,
+                             positions=tgt_positions, deterministic=deterministic,
+                             sow_weights=sow_weights, rngs=rngs)
         return self.logits(x.astype(jnp.float32))
 
     def __call__(self, src, tgt, src_lengths=None, *, src_segment_ids=None,
@@ -353,9 +369,10 @@ class DecoderOnly(nnx.Module):
         check_tokens(c, "tokens", tokens, c.vocab_size, None if self.decode else positions)
         visible, positions = sequence_mask(tokens, mask, padding_mask, segment_ids, positions,
                                            self.decode)
-        x = self.embed(tokens, positions, deterministic=deterministic, rngs=rngs)
-        x = self.decoder(x, mask=visible, positions=positions, deterministic=deterministic,
-                         sow_weights=sow_weights, rngs=rngs)
+        with self.embed.positions.unchanged_on_error():
+            x = self.embed(tokens, positions, deterministic=deterministic, rngs=rngs)
+            x = self.decoder(x, mask=visible, positions=positions, deterministic=deterministic,
+                             sow_weights=sow_weights, rngs=rngs)
         return self.logits(x.astype(jnp.float32))
 
 

@@ -133,6 +133,9 @@ def check_room(start, new: int, capacity: int) -> None:
     the sequence. Size the cache for the longest sequence. (Not checked while tracing
     inside `sized_for_every_append`.)"""
     message = "KV cache overrun: {} new tokens at position {} exceed the cache length {}"
+    if new > capacity:   # past the cache wherever it starts: known while tracing
+        raise ValueError(message.format(new, "any" if isinstance(start, jax.core.Tracer)
+                                        else int(start), capacity))
     if isinstance(start, jax.core.Tracer):
         if getattr(_SIZED, "on", False):
             return

@@ -134,6 +134,11 @@ def test_cache_overrun_under_jit_is_logged_not_an_internal_error(rng, caplog):
     assert "KV cache overrun: 2 new tokens at position 3 exceed the cache length 4" in caplog.text
     assert bool(jnp.all(jnp.isfinite(out)))
     assert mutated["cache"]["cached_key"].shape == variables["cache"]["cached_key"].shape
+    # more tokens than the cache holds, wherever it starts: known while tracing, a named
+    # error (it was lax.dynamic_update_slice's TypeError)
+    with pytest.raises(ValueError, match="KV cache overrun: 5 new tokens at position any "
+                                         "exceed the cache length 4"):
+        step({"cache": variables["cache"]}, jnp.concatenate([x, x[:, :1]], axis=1))
 
 
 def test_the_kept_memory_is_read_without_a_copy(rng):

@@ -103,7 +103,8 @@ def test_soft_cap_on_mixed_blocks_equals_dense(causal, cap):
     q, k, v, d_out, sinks = _inputs(1)
     mask = masks.causal() if causal else None
     mod = scores.soft_cap(cap)
-    assert (chunked._facts(mod, [], None, jnp.float32, jnp.float32).ceiling is None) == (cap == 40.0)
+    facts = chunked._facts(mod, [], None, jnp.float32, jnp.float32)
+    assert (facts.ceiling is None) == (cap == 40.0)
     run = jax.jit(lambda *a: _dense_and_chunked(*a, mask, mod))
     (dense_out, dense_grads), (out, grads) = run(q, k, v, d_out, sinks)
     assert relative_error(out, dense_out) < 2e-5

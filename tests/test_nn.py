@@ -589,6 +589,14 @@ def test_greedy_decode_projects_the_memory_once(rng):
     assert products[1] - products[0] == 2 * config.num_decoder_layers, products
     with own_checks_only(), pytest.raises(TypeError, match="memory_cache must be a bool"):
         nn.greedy_decode(model, params, src, src_lengths, memory_cache="yes", **kwargs)
+    # the other kind of model (an AttributeError of its config had named nothing)
+    with own_checks_only(), pytest.raises(TypeError, match=r"^generate takes an attnjax.nn."
+                                                           r"DecoderOnly; got Transformer"):
+        nn.generate(model, params, src, max_new_tokens=2)
+    lm = nn.DecoderOnly(nn.DecoderOnlyConfig(vocab_size=16, d_model=32, num_heads=4, d_ff=64))
+    with own_checks_only(), pytest.raises(TypeError, match=r"^greedy_decode takes an attnjax.nn."
+                                                           r"Transformer; got DecoderOnly"):
+        nn.greedy_decode(lm, params, src, src_lengths, **kwargs)
 
 
 def _compiled_products_outside_loops(hlo: str) -> int:

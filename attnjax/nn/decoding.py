@@ -48,6 +48,12 @@ def _check_batch(name: str, tokens) -> None:
                          f"{np.shape(tokens)}")
 
 
+def _check_model(function: str, model, kind: type, other: str) -> None:
+    if not isinstance(model, kind):
+        raise TypeError(f"{function} takes an attnjax.nn.{kind.__name__}; got "
+                        f"{type(model).__name__} ({other})")
+
+
 def _empty_cache(model, *args, method=None):
     """The zero-filled "cache" collection a decode=True model starts from."""
     shapes = jax.eval_shape(functools.partial(model.init, method=method), jax.random.key(0), *args)
@@ -77,6 +83,7 @@ def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len:
         ...                  eos_id=2).shape                               # [B, max_len]
         (2, 5)
     """
+    _check_model("greedy_decode", model, Transformer, "generate continues a DecoderOnly")
     config = model.config
     _check_batch("src", src)
     check_tokens(config, "src", src, config.src_vocab_size)
@@ -217,6 +224,7 @@ def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new
         >>> nn.generate(lm, params, prompt, jnp.array([2, 3]), max_new_tokens=4).shape
         (2, 7)
     """
+    _check_model("generate", model, DecoderOnly, "greedy_decode decodes a Transformer")
     config = model.config
     _check_batch("prompt", prompt)
     check_tokens(config, "prompt", prompt, config.vocab_size)

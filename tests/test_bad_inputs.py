@@ -61,6 +61,16 @@ def _apply_decoder(tokens, **kw):
     return model.apply({"params": params}, jnp.asarray(tokens, jnp.int32), **kw)
 
 
+def _decode_step(tokens, positions):
+    """One call of the decode=True model on a cache init sized, at given positions."""
+    model, params = _decoder()
+    decoder = model.clone(decode=True)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    cache = decoder.init(jax.random.key(0), tokens)["cache"]
+    return decoder.apply({"params": params, "cache": cache}, tokens, positions=positions,
+                         mutable=["cache"])
+
+
 def _generate(prompt, **kw):
     model, params = _decoder()
     return nn.generate(model, params, jnp.asarray(prompt, jnp.int32), **kw)
@@ -148,6 +158,10 @@ MISTAKES = [
      r"tokens has 9 tokens, more than the max_len=8 learned positions"),
     ("learned_positions", lambda: _apply_decoder(TOKENS, positions=jnp.array([[0, 1, 2, 8]])),
      ValueError, r"the positions of tokens must lie in \[0, 8\).*got 8"),
+    # decoding too (negative positions are generate's padding slots), where they had read
+    # the table's last row
+    ("decode_learned_positions", lambda: _decode_step(TOKENS, jnp.array([[-1, 0, 1, 20]])),
+     ValueError, r"the positions of tokens must lie in \[0, 8\).*got 20"),
     # the user's functions with the wrong arguments, named before anything is traced
     ("score_mod_arguments", lambda: dpa(q, k, v, score_mod=lambda s: s,
                                         implementation="chunked"), TypeError,

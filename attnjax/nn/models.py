@@ -302,12 +302,14 @@ def _embedding_init(config):
     return nn.initializers.normal(config.d_model ** -0.5)
 
 
-def check_tokens(config, name: str, tokens, vocab_size: int, positions=None) -> None:
+def check_tokens(config, name: str, tokens, vocab_size: int, positions=None,
+                 decode: bool = False) -> None:
     """Integer token ids `[B, L]`, and the positions a learned table can encode.
 
     Known values (outside jit) are checked: every id in [0, vocab_size), every position
-    in [0, max_len). Traced ones cannot be: there an id outside the vocabulary embeds as
-    zeros (`_Embed`) and a position past the table reads its last row."""
+    in [0, max_len) (decoding: below max_len; a negative one marks a padding slot, as
+    `generate` gives them). Traced ones cannot be: there an id outside the vocabulary
+    embeds as zeros (`_Embed`) and a position past the table reads its last row."""
     dtype = tokens.dtype if hasattr(tokens, "dtype") else np.asarray(tokens).dtype
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must hold integer token ids; got dtype {dtype}")
@@ -322,7 +324,9 @@ def check_tokens(config, name: str, tokens, vocab_size: int, positions=None) -> 
         raise ValueError(f"{name} has {np.shape(tokens)[-1]} tokens, more than the "
                          f"max_len={config.max_len} learned positions")
     if positions is not None and not isinstance(positions, jax.core.Tracer):
-        bad = _checks.outside(np.asarray(positions), 0, config.max_len - 1)
+        positions = np.asarray(positions)
+        bad = _checks.outside(positions[positions >= 0] if decode else positions, 0,
+                              config.max_len - 1)
         if bad is not None:
             raise ValueError(f"the positions of {name} must lie in [0, {config.max_len}) "
                              f"(the learned positions); got {bad}")
@@ -412,8 +416,8 @@ class Transformer(nn.Module):
         """`[B, T]` target tokens and `[B, S, D]` memory -> `[B, T, V_tgt]` logits."""
         deterministic = _deterministic(self, deterministic)
         _both("tgt_segment_ids", tgt_segment_ids, "src_segment_ids", src_segment_ids)
-        check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size,
-                      None if self.decode else tgt_positions)
+        check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size, tgt_positions,
+                     self.decode)
         mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids)
         x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, embed=self.shared)
         x = self.decoder(x, memory, mask=mask, memory_mask=memory_mask, positions=tgt_positions,
@@ -469,7 +473,7 @@ class DecoderOnly(nn.Module):
         """`tokens [B, L]` -> `[B, L, V]` logits (see the class)."""
         c = self.config
         deterministic = _deterministic(self, deterministic)
-        check_tokens(c, "tokens", tokens, c.vocab_size, None if self.decode else positions)
+        check_tokens(c, "tokens", tokens, c.vocab_size, positions, self.decode)
         visible, positions = sequence_mask(tokens, mask, padding_mask, segment_ids, positions,
                                            self.decode)
         x = _Embed(c, c.vocab_size, self.decode, name="embed")(

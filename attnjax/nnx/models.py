@@ -320,8 +320,8 @@ class Transformer(nnx.Module):
         """`[B, T]` target tokens and `[B, S, D]` memory -> `[B, T, V_tgt]` logits."""
         deterministic = _deterministic(self, deterministic)
         _both("tgt_segment_ids", tgt_segment_ids, "src_segment_ids", src_segment_ids)
-        check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size,
-                     None if self.decode else tgt_positions)
+        check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size, tgt_positions,
+                     self.decode)
         mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids)
         with self.tgt_embed.positions.unchanged_on_error():
             x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, rngs=rngs,
@@ -366,7 +366,7 @@ class DecoderOnly(nnx.Module):
         """`tokens [B, L]` -> `[B, L, V]` logits; as `attnjax.nn.DecoderOnly`."""
         c = self.config
         deterministic = _deterministic(self, deterministic)
-        check_tokens(c, "tokens", tokens, c.vocab_size, None if self.decode else positions)
+        check_tokens(c, "tokens", tokens, c.vocab_size, positions, self.decode)
         visible, positions = sequence_mask(tokens, mask, padding_mask, segment_ids, positions,
                                            self.decode)
         with self.embed.positions.unchanged_on_error():

@@ -239,16 +239,16 @@ class MultiHeadDotProductAttention(nn.Module):
         query = qkv(shapes["query"], name="query")(inputs_q)
         implementation = self.implementation
         if self.cache_key_value and self.has_variable("cache", PROJECTED_KEY_VALUE[0]):
-            kept = self.get_variable("cache", PROJECTED_KEY_VALUE[0])
-            if (inputs_k.shape[:-2], inputs_k.shape[-2]) != (kept.shape[:-3], kept.shape[-1]):
+            # [batch..., K, H, S], [batch..., K, V, S]: projected by an earlier call
+            kept = [self.get_variable("cache", name) for name in PROJECTED_KEY_VALUE]
+            if (inputs_k.shape[:-2], inputs_k.shape[-2]) != (kept[0].shape[:-3],
+                                                             kept[0].shape[-1]):
                 raise ValueError(
                     f"inputs_k {_checks.shape_str(inputs_k.shape)} is not the memory the "
-                    f"cache keeps projected (batch {_checks.shape_str(kept.shape[:-3])}, "
-                    f"S={kept.shape[-1]}): another memory is decoded from a cache without "
-                    f"projected_key and projected_value")
-            # [batch..., S, K, H], [batch..., S, K, V]: projected by an earlier call
-            key, value = (jnp.moveaxis(self.get_variable("cache", name), -1, -3)
-                          for name in PROJECTED_KEY_VALUE)
+                    f"cache keeps projected (batch {_checks.shape_str(kept[0].shape[:-3])}, "
+                    f"S={kept[0].shape[-1]}): another memory is decoded from a cache "
+                    f"without projected_key and projected_value")
+            key, value = (jnp.moveaxis(x, -1, -3) for x in kept)
             query, _, _ = multi_head.activate_projections(
                 self.projection_activation, query, key, value)
             if (implementation is None and query.shape[-3] == 1

@@ -183,10 +183,13 @@ def _without_memory(cache):
     that held only that), as init leaves it."""
     kept = {}
     for name, sub in cache.items():
+        if name in PROJECTED_KEY_VALUE:
+            continue
         if hasattr(sub, "items"):
             sub = _without_memory(sub)
-        if name not in PROJECTED_KEY_VALUE and not (hasattr(sub, "items") and not sub):
-            kept[name] = sub
+            if not sub:
+                continue
+        kept[name] = sub
     return kept
 
 

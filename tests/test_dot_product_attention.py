@@ -285,6 +285,27 @@ def test_an_eager_call_compiles_the_kernel_as_one_program(rng):
                                atol=1e-6)
 
 
+def test_an_eager_grad_or_vmap_compiles_the_kernel_as_one_program(rng):
+    """jax.grad and jax.vmap of a call, outside jit, run the kernel as one program too
+    (its derivative one more), not operation by operation (about a hundred one-operation
+    programs for this gradient); the numbers are jit's."""
+    q, k, v = _qkv(rng, t=14, s=17)
+    key_lengths = jnp.array([9, 17], jnp.int32)
+    call = functools.partial(attnjax.dot_product_attention, is_causal=True,
+                             key_lengths=key_lengths)
+    grad = jax.grad(lambda q, k, v: jnp.sum(call(q, k, v) ** 2), (0, 1, 2))
+    call(q, k, v)   # the arguments' checks
+    # the kernel, its derivative, and the loss's and the casts' few operations
+    assert lowerings(lambda: grad(q, k, v)) <= 12
+    chex.assert_trees_all_close(grad(q, k, v), jax.jit(grad)(q, k, v), rtol=1e-6,
+                                atol=1e-6)
+    stacked = [jnp.stack([x, 2 * x]) for x in (q, k, v)]   # [2, B, ...]
+    mapped = jax.vmap(call)
+    assert lowerings(lambda: mapped(*stacked)) <= 3
+    chex.assert_trees_all_close(mapped(*stacked), jax.jit(mapped)(*stacked), rtol=1e-6,
+                                atol=1e-6)
+
+
 def test_eager_calls_compile_for_a_score_mod_once_it_comes_again(rng):
     """A function new at every call (a lambda written in the call) is not compiled for:
     the call runs operation by operation, whose programs are already there the second

@@ -213,8 +213,9 @@ class Shape:
             if count and known.size and known.min() < 0:
                 raise ValueError(f"{name} must be non-negative (a number of positions); "
                                  f"got {known.min()}")
-            x = known
-        x = jnp.asarray(x).astype(jnp.int32)
+            # laid out on the host and put on the device as it is: no program compiles
+            # (jnp.asarray, astype and indexing would each compile one per shape)
+            x = known.astype(np.int32)
         batched = () if self.unbatched else (self.b,)
         shapes = {tuple(tail), batched + tuple(tail)}
         if tuple(x.shape) not in shapes:
@@ -223,7 +224,9 @@ class Shape:
                              f"{_checks.shape_str(x.shape)}")
         if x.ndim == len(tail):
             x = x[None]
-        return x[:, None]
+        if isinstance(x, np.ndarray):
+            return jax.device_put(x[:, None])
+        return x.astype(jnp.int32)[:, None]
 
 
 # --------------------------------------------------------------------------------------
@@ -635,9 +638,9 @@ class Mask:
     def bind(self, shape: Shape, positions=None) -> Mask:
         """The mask with its arrays checked against `shape` and laid out per head, its
         positions (given, or bottom-right aligned) and the example and head indices."""
-        if positions is None:
-            q_pos = jnp.arange(shape.t, dtype=jnp.int32) + (shape.s - shape.t)
-            k_pos = jnp.arange(shape.s, dtype=jnp.int32)
+        if positions is None:   # (numpy: see per_example)
+            q_pos = np.arange(shape.t, dtype=np.int32) + np.int32(shape.s - shape.t)
+            k_pos = np.arange(shape.s, dtype=np.int32)
         else:
             if not isinstance(positions, (tuple, list)) or len(positions) != 2:
                 raise TypeError(f"positions must be a pair (query_positions [B, T], "
@@ -646,8 +649,8 @@ class Mask:
         q_pos = shape.per_example("query positions", q_pos, (shape.t,), "[B, T]")
         k_pos = shape.per_example("key positions", k_pos, (shape.s,), "[B, S]")
         return Mask(self.rule.bind(shape), q_pos, k_pos,
-                    jnp.arange(shape.b, dtype=jnp.int32)[:, None],
-                    jnp.arange(shape.n, dtype=jnp.int32)[None, :])
+                    jax.device_put(np.arange(shape.b, dtype=np.int32)[:, None]),
+                    jax.device_put(np.arange(shape.n, dtype=np.int32)[None, :]))
 
     # What the kernels ask of a bound mask, for one head.
 

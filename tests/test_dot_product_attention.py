@@ -267,15 +267,15 @@ def test_jit_compatible_with_traced_lengths(rng):
 
 def test_an_eager_call_compiles_the_kernel_as_one_program(rng):
     """Outside jit, a call runs as one program compiled per shape and options (about
-    sixty one-operation programs otherwise); inside jit the kernel is traced into the
-    caller's program, with the same numbers."""
+    sixty one-operation programs otherwise), its lengths and positions laid out on the
+    host; inside jit the kernel is traced into the caller's program, with the same
+    numbers."""
     q, k, v = _qkv(rng, t=13, s=19)
     key_lengths = jnp.array([11, 19], jnp.int32)
     call = functools.partial(attnjax.dot_product_attention, is_causal=True,
                              key_lengths=key_lengths, implementation="chunked",
                              block_sizes=(8, 8))
-    # the dense call compiles the arguments' checks
-    attnjax.dot_product_attention(q, k, v, is_causal=True, key_lengths=key_lengths)
+    # the first call of these shapes: the arguments' checks and layout compile nothing
     assert lowerings(lambda: call(q, k, v)) == 1
     eager = call(q, k, v)
     traced = jax.jit(lambda q, k, v: call(q, k, v))(q, k, v)

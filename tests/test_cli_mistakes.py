@@ -19,6 +19,7 @@ from attnjax.toy import cli
 from attnjax.toy import train as training
 from attnjax.toy.config import dump_config, load_config
 from tests import children
+from tests.numerics import as_users_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["task.num_symbols=5", "task.min_len=1", "task.max_len=6", "task.eval_size=20",
@@ -252,6 +253,41 @@ def test_ctrl_c_before_the_first_step_says_the_checkpoints_held_are_as_they_were
         assert raised.value.exit_status == 130
     assert {p.relative_to(held): p.read_bytes() if p.is_file() else None
             for p in held.rglob("*") if p.name != cli.LOCK} == before
+
+
+def test_ctrl_c_after_the_run_began_says_config_yaml_was_written_and_the_old_run_deleted(
+        tmp_path, monkeypatch):
+    """A Ctrl-C honoured once the run has written its config.yaml (and --force-new has
+    deleted the run the workdir held), before the first step, says so (it said "this run
+    saved nothing", with the old run gone); the same command again starts the run."""
+    config = load_config(ROOT / "configs" / "copy.yaml", TINY)
+    new = load_config(ROOT / "configs" / "copy.yaml", TINY + ["seed=7"])
+    begin = cli._begin_run
+    stops = []
+
+    def begun_then_interrupted(*args, **kwargs):
+        said = begin(*args, **kwargs)
+        stops[-1].signum = signal.SIGINT   # as Ctrl-C there sets it
+        return said
+
+    monkeypatch.setattr(cli, "_begin_run", begun_then_interrupted)
+    held = tmp_path / "held"
+    _old_run(held, config)
+    for workdir, force_new, deleted in (
+            (tmp_path / "fresh", False, ""),
+            (held, True, f" (--force-new deleted the run {held} held)")):
+        with cli.StopRequests() as stop, as_users_run():
+            stops.append(stop)
+            with pytest.raises(cli.Interrupted) as raised:
+                cli.run(new, workdir, force_new=force_new, stop=stop)
+        assert str(raised.value) == (
+            f"interrupted (SIGINT) {cli.BEFORE_TRAINING} but its config.yaml{deleted}: rerun "
+            f"the same command to start it")
+        # the old run's checkpoint and records are gone; nothing of this one but its config
+        assert not any((workdir / "checkpoints").iterdir())
+        assert (workdir / "metrics.jsonl").read_text() == ""
+        assert load_config(workdir / "config.yaml") == new
+        os.close(cli._claim_workdir(workdir, new, force_new=False))   # the same command runs
 
 
 def test_an_emptied_saved_config_is_unreadable_not_another_config(tmp_path):

@@ -264,19 +264,24 @@ def _claim_workdir(workdir: Path, config: Config, force_new: bool,
     return lock
 
 
-def _begin_run(workdir: Path, config: Config, force_new: bool) -> None:
+def _begin_run(workdir: Path, config: Config, force_new: bool) -> str:
     """Deletes the run the workdir held (force_new) and writes this run's config.yaml:
     done once the model is built and compiled, so that a mistake found, or a Ctrl-C,
     before then leaves the workdir as it was (a config.yaml written earlier refused the
-    corrected command; --force-new had deleted the old run)."""
+    corrected command; --force-new had deleted the old run). Returns what a run
+    interrupted from here to its first step says."""
     if jax.process_index():
-        return
+        return BEFORE_TRAINING
+    deleted = ""
     try:
         if force_new:
             for path in _run_entries(workdir):
                 is_dir = path.is_dir() and not path.is_symlink()
                 shutil.rmtree(path) if is_dir else path.unlink(missing_ok=True)
+                deleted = f" (--force-new deleted the run {workdir} held)"
         _write_atomically(workdir / "config.yaml", dump_config(config))
+        return (f"{BEFORE_TRAINING} but its config.yaml{deleted}: rerun the same command "
+                f"to start it")
     except OSError as e:
         raise _workdir_error(workdir, e, "the run in it, if any, is as it was" if not force_new
                              else "its old run may be partly deleted") from None
@@ -515,7 +520,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
         raise ConfigError(str(e)) from None  # cannot be traced with this config
     stop.stop_if_requested(_before_training(workdir))
     eval_batch = training.eval_set(task, config)
-    _begin_run(workdir, config, force_new)
+    begun = _begin_run(workdir, config, force_new)
 
     try:
         checkpoints = Checkpoints(workdir / "checkpoints", config.keep_checkpoints,
@@ -551,7 +556,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
             stop.stop_if_requested(f"before training resumed from step {start}; this run "
                                    f"saved nothing new: rerun the same command to resume")
         else:
-            stop.stop_if_requested(BEFORE_TRAINING)
+            stop.stop_if_requested(begun)
 
         eval_record, predictions = None, None
         for step in range(start + 1, config.steps + 1):

@@ -76,6 +76,10 @@ def test_dtype_is_taken_as_a_jnp_dtype_or_its_name():
     with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16', "
                                          r"'float16'\); got 'int8'"):
         nn.DecoderOnlyConfig(vocab_size=7, dtype=jnp.int8)
+    # a name numpy reads as another: the name given (it said "got 'float64'")
+    with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16', "
+                                         r"'float16'\); got 'float' \(float64\)$"):
+        nn.DecoderOnlyConfig(vocab_size=7, dtype="float")
 
 
 def test_sizes_may_be_numpy_integers_as_in_jax_and_flax(rng, own_checks_only):

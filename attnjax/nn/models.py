@@ -63,6 +63,9 @@ def _dtype_name(dtype) -> str:
     except TypeError:
         raise ValueError(f"dtype must be one of {DTYPES} (a name, or jnp.float32, ...); got "
                          f"{dtype!r}") from None
+    if isinstance(dtype, str) and name != dtype and name not in DTYPES:
+        # the name given, with numpy's for it ("float" is float64)
+        raise ValueError(f"dtype must be one of {DTYPES}; got {dtype!r} ({name})")
     return name
 
 

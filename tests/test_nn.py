@@ -515,6 +515,10 @@ def test_generate_greedy_matches_full_forward_and_sampling_uses_the_rng(rng):
     a = nn.generate(model, params, prompt, max_new_tokens=5, temperature=1.0, rng=jax.random.key(1))
     b = nn.generate(model, params, prompt, max_new_tokens=5, temperature=1.0, rng=jax.random.key(1))
     np.testing.assert_array_equal(a, b)
+    # a NumPy number is a temperature too, the same one (it was refused as not a number)
+    c = nn.generate(model, params, prompt, max_new_tokens=5, temperature=np.float32(1.0),
+                    rng=jax.random.key(1))
+    np.testing.assert_array_equal(a, c)
 
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])

@@ -199,7 +199,7 @@ def _full_length_decoder(module, memory, tgt):
 
 
 def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new_tokens: int,
-             temperature: float = 0.0, rng=None, padding_side: str = "left"):
+             temperature: float | np.floating = 0.0, rng=None, padding_side: str = "left"):
     """Continue `prompt [B, P]` by max_new_tokens: `[B, P + max_new_tokens]`.
 
     The prompt is prefilled in one call on the KV cache, then tokens come one at a
@@ -237,8 +237,11 @@ def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new
         raise ValueError(f"prompt length {p} + max_new_tokens={max_new_tokens} - 1 (the model "
                          f"reads every new token but the last) exceeds the model's "
                          f"max_len={config.max_len} learned positions")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            math.isfinite(temperature) and temperature >= 0):
+    # a Python or NumPy number (np.float32(0.7) as a config computes it); a traced one
+    # cannot choose between argmax and sampling, so it is refused
+    if (isinstance(temperature, (bool, np.bool_))
+            or not isinstance(temperature, (int, float, np.integer, np.floating))
+            or not (math.isfinite(temperature) and temperature >= 0)):
         raise ValueError(f"temperature must be a finite number >= 0; got {temperature!r}")
     if temperature > 0.0 and rng is None:
         raise ValueError(f"temperature={temperature} samples and needs an rng; got None")

@@ -205,20 +205,35 @@ def check_lengths(name: str, lengths, expected_shape: Sequence[int], layout: str
 WINDOW_UNBOUNDED = 2**31 - 1
 
 
+def _window_side(w) -> int | None:
+    """An int, a NumPy integer, or a concrete integer array of one element (jnp.array(2),
+    as jax.nn takes) as an int; None for anything else."""
+    if isinstance(w, bool) or isinstance(w, jax.core.Tracer):
+        return None
+    if isinstance(w, (int, np.integer)):
+        return int(w)
+    if (isinstance(w, (np.ndarray, jax.Array)) and w.shape == ()
+            and np.issubdtype(w.dtype, np.integer)):
+        return int(w)
+    return None
+
+
 def resolve_window(window) -> tuple[int, int] | None:
     """`window` as (left, right), each at most WINDOW_UNBOUNDED (a wider side is as
     unbounded); an int w means (w, w)."""
     if window is None:
         return None
-    if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
-        window = (int(window), int(window))
-    if (
-        not isinstance(window, (tuple, list))
-        or len(window) != 2
-        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window)
-    ):
+    if _window_side(window) is not None:
+        window = (window, window)
+    sides = (tuple(map(_window_side, window)) if isinstance(window, (tuple, list))
+             and len(window) == 2 else None)
+    if sides is None or None in sides:
+        if any(isinstance(w, jax.core.Tracer) for w in
+               (window if isinstance(window, (tuple, list)) else (window,))):
+            raise TypeError(f"window sizes must be known when the call is traced (ints, "
+                            f"which decide the kernel's blocks); got {window!r}")
         raise TypeError(f"window must be an int or a pair of ints (left, right); got {window!r}")
-    left, right = int(window[0]), int(window[1])
+    left, right = sides
     if left < 0 or right < 0:
         raise ValueError(f"window sizes must be non-negative; got (left, right) = ({left}, {right})")
     return min(left, WINDOW_UNBOUNDED), min(right, WINDOW_UNBOUNDED)

@@ -118,6 +118,19 @@ def test_unbatched_call_with_jax_nn_keywords():
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_window_sides_may_be_concrete_integer_arrays_as_jax_nn_takes_them(own_checks_only):
+    """local_window_size=(jnp.array(2), np.int64(1)), known values as jax.nn takes them
+    (both annotate ints): jax.nn's result (it was a TypeError); a side traced under jit
+    is a TypeError that says a window must be known there."""
+    q, k, v = _qkv(19, T, S)
+    expected = _jax_nn(q, k, v, local_window_size=(2, 1))
+    got = attnjax.dot_product_attention(q, k, v, local_window_size=(jnp.array(2), np.int64(1)),
+                                        causal_alignment="top_left")
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match=r"window sizes must be known when the call is traced"):
+        jax.jit(lambda w: attnjax.dot_product_attention(q, k, v, window=(w, 1)))(2)
+
+
 def test_unbatched_call_with_jax_nn_s_batch_of_one(own_checks_only):
     """jax.nn gives an unbatched call a batch of one, and takes its bias and mask 4-D,
     its lengths [1]: attnjax takes those forms too (annotated `*B` = (), they are

@@ -189,11 +189,13 @@ def test_a_decode_cache_sized_by_init_decodes_the_memory_it_is_given(rng):
     src, stand_in = (jnp.asarray(generator.integers(3, 13, (2, 7)), jnp.int32)
                      for _ in range(2))
     tgt = jnp.asarray(generator.integers(3, 11, (2, 6)), jnp.int32)
-    params = model.init(rng, src, tgt)["params"]
-    full = model.apply({"params": params}, src, tgt)
+    # (jitted, as a user runs them: one program each, not one per operation)
+    params = jax.jit(model.init)(rng, src, tgt)["params"]
+    full = jax.jit(model.apply)({"params": params}, src, tgt)
     decoder = model.clone(decode=True)
-    cache = decoder.init(rng, stand_in, tgt)["cache"]
-    memory = model.apply({"params": params}, src, method=nn.Transformer.encode)
+    cache = jax.jit(decoder.init)(rng, stand_in, tgt)["cache"]
+    memory = jax.jit(functools.partial(model.apply, method=nn.Transformer.encode))(
+        {"params": params}, src)
     step = jax.jit(lambda cache, token, memory: decoder.apply(
         {"params": params, "cache": cache}, token, memory,
         method=nn.Transformer.decode_logits, mutable=["cache"]))

@@ -258,9 +258,9 @@ def test_block_classes_are_sound_and_skip_the_masked_blocks(t, s, is_causal, win
     def classes_and_truth(mask, **rule):
         seen = np.zeros_like(real)
         seen[:t, :s] = reference.visible(t, s, **rule)
-        bound = heads.group(mask.bind(masks.Shape(1, t, s, 1)), 1, 1)
-        table = np.asarray(chunked._table(plan, bound.padded(plan.padded_t, plan.padded_s),
-                                          (1, 1, 1)))
+        table = np.asarray(jax.jit(lambda mask: chunked._table(   # (one program)
+            plan, heads.group(mask.bind(masks.Shape(1, t, s, 1)), 1, 1).padded(
+                plan.padded_t, plan.padded_s), (1, 1, 1)))(mask))
         blocks = (plan.num_q_blocks, 8, plan.num_k_blocks, 16)
         live = seen.reshape(blocks).any(axis=(1, 3))
         # padded query rows are dropped, so they do not make a block partial

@@ -17,12 +17,13 @@ import threading
 import weakref
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 
-from attnjax import _checks, chunked, cudnn, dense, heads, masks
+from attnjax import _checks, chunked, core, cudnn, dense, heads, masks
 from attnjax.masks import Mask, Shape
 from attnjax.options import Options
 from attnjax.scores import Score, _logits_dtype
@@ -120,9 +121,11 @@ def dot_product_attention(
     T ≠ S (`causal_alignment="top_left"` gives jax.nn's), and a query that sees no key
     gets zeros where jax.nn averages every value.
 
-    Called on concrete arrays (outside jit, grad and vmap), the kernel runs as one
-    program compiled once per shape and static options; inside them it is traced into
-    the caller's program.
+    The kernel runs as one jitted function, compiled once per shape and static options:
+    called eagerly, or under an eager grad or vmap, it is one program (its derivative
+    one more); inside jit XLA inlines it. A call with a score_mod, an alignment or a
+    `masks.from_fn` rule of its own is traced into the caller's program instead, or, on
+    concrete arrays, compiled once the same functions come again.
 
     Args:
       query: `[B, T, N, H]`, or `[T, N, H]` for one unbatched example.
@@ -256,7 +259,7 @@ def dot_product_attention(
         query, key, value = _sequences_gathered(query, key, value)
     options = _options(shape, name, implementation, dropout_rate, dropout_rng,
                        dropout_broadcast, return_weights, return_residual, block_sizes)
-    bound = attention_mask.bind(shape, positions)
+    bound = attention_mask.bind(shape, positions, traced=not _concrete(query))
     if name == "cudnn":
         out = cudnn.attention(
             query, key, value, score, options, mask=mask, is_causal=is_causal,
@@ -267,7 +270,7 @@ def dot_product_attention(
         compute = _per_head
         computed = _compiles(query, key, value, bound, score, options)
         if computed is not None:
-            compute = functools.partial(_compiled_per_head, computed)
+            compute = functools.partial(_compiled_per_head, computed, _trace_settings())
         value_name = (name if typed else
                       _value_kernel(implementation, name, shape, attention_mask, score, options))
         out, lse, weights = compute(name, query, key, value, bound, score, options,
@@ -815,15 +818,35 @@ def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:
 # arrays, they compile, for what they compute at that call (`functions_as_of`): a
 # function that reads a Python number or an array it closes over, changed since,
 # compiles again, as an eager call reads the state of the moment.
-def _per_head_as_of(computed, *args, **kwargs):
+def _concrete(x) -> bool:
+    """Whether x has a value now: a concrete array, or one an eager jax.grad or jvp
+    traces (not a value jit, vmap or shard_map traces)."""
+    try:
+        jax.extend.core.concrete_or_error(None, x)
+    except jax.errors.ConcretizationTypeError:
+        return False
+    return True
+
+
+def _per_head_as_of(computed, settings, *args, **kwargs):
     """`_per_head(*args, **kwargs)`, compiled apart for each `computed` (see
-    functions_as_of)."""
-    del computed
+    functions_as_of) and `settings` (`_trace_settings`)."""
+    del computed, settings
     return _per_head(*args, **kwargs)
 
 
-_compiled_per_head = jax.jit(_per_head_as_of, static_argnums=(0, 1),
+_compiled_per_head = jax.jit(_per_head_as_of, static_argnums=(0, 1, 2),
                              static_argnames="value_name")
+
+
+def _trace_settings() -> tuple:
+    """What the kernels read while they are traced besides their arguments: the backend
+    and the tuning constants, which a benchmark, a test or a user may change. Part of
+    the compiled call's key, so that a change is traced anew (a cached trace had kept
+    the old parts of the batch, say)."""
+    return (jax.default_backend(), DENSE_PART_BYTES, DENSE_PARTS_MAX, DENSE_PART_MIN_GRID,
+            chunked.DEFAULT_BLOCK_Q, chunked.DEFAULT_BLOCK_K, chunked.LOGITS_BLOCK_BYTES,
+            chunked.BOUNDED_RANGE, core.ONE_PASS_TERMS)
 # The functions of recent calls, held weakly where they allow it (a lambda is kept alive
 # by nothing here, and a new one never matches a dead one).
 _RECENT_FUNCTIONS: collections.OrderedDict = collections.OrderedDict()

@@ -635,12 +635,18 @@ class Mask:
     def is_everything(self) -> bool:
         return isinstance(self.rule, Everything)
 
-    def bind(self, shape: Shape, positions=None) -> Mask:
+    def bind(self, shape: Shape, positions=None, *, traced: bool = False) -> Mask:
         """The mask with its arrays checked against `shape` and laid out per head, its
-        positions (given, or bottom-right aligned) and the example and head indices."""
-        if positions is None:   # (numpy: see per_example)
-            q_pos = np.arange(shape.t, dtype=np.int32) + np.int32(shape.s - shape.t)
-            k_pos = np.arange(shape.s, dtype=np.int32)
+        positions (given, or bottom-right aligned) and the example and head indices.
+
+        traced: the call's arrays are traced. Its default positions and indices are then
+        iotas of its program; otherwise they are made on the host and put on the device,
+        which compiles nothing (see per_example). (Made on the host under jit, they
+        would be constants of the program, growing it with T.)"""
+        xp = jnp if traced else np
+        if positions is None:
+            q_pos = xp.arange(shape.t, dtype=np.int32) + np.int32(shape.s - shape.t)
+            k_pos = xp.arange(shape.s, dtype=np.int32)
         else:
             if not isinstance(positions, (tuple, list)) or len(positions) != 2:
                 raise TypeError(f"positions must be a pair (query_positions [B, T], "
@@ -648,9 +654,10 @@ class Mask:
             q_pos, k_pos = positions
         q_pos = shape.per_example("query positions", q_pos, (shape.t,), "[B, T]")
         k_pos = shape.per_example("key positions", k_pos, (shape.s,), "[B, S]")
+        indices = (xp.arange(shape.b, dtype=np.int32)[:, None],
+                   xp.arange(shape.n, dtype=np.int32)[None, :])
         return Mask(self.rule.bind(shape), q_pos, k_pos,
-                    jax.device_put(np.arange(shape.b, dtype=np.int32)[:, None]),
-                    jax.device_put(np.arange(shape.n, dtype=np.int32)[None, :]))
+                    *(indices if traced else jax.device_put(indices)))
 
     # What the kernels ask of a bound mask, for one head.
 

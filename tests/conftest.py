@@ -15,7 +15,6 @@ import ctypes.util
 import gc
 import os
 import shutil
-import sys
 import tempfile
 import zlib
 
@@ -174,25 +173,6 @@ def _one_module_of_compiled_programs():
     yield
     jax.clear_caches()
     _give_memory_back()
-
-
-@pytest.fixture
-def kernel_constants(monkeypatch):
-    """`kernel_constants(NAME=value, ...)` sets attnjax.attention's tuning constants for
-    the test (monkeypatch undoes them). Calls that run as one compiled program keep the
-    trace of their first call of a shape, made with the constants of that moment: it is
-    dropped when they are set (with no arguments: only dropped, after a patch of
-    something else the kernel reads, such as jax.default_backend) and when the test
-    ends."""
-    attention = sys.modules["attnjax.attention"]   # (attnjax.attention is a function)
-
-    def set_constants(**values):
-        for name, value in values.items():
-            monkeypatch.setattr(attention, name, value)
-        attention._compiled_per_head.clear_cache()
-
-    yield set_constants
-    attention._compiled_per_head.clear_cache()
 
 
 @pytest.fixture

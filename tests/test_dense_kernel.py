@@ -331,7 +331,7 @@ def _count(operation: str, fn, *args) -> int:
     return jax.jit(fn).lower(*args).as_text().count(f"stablehlo.{operation} ")
 
 
-def test_in_parts_a_score_mod_and_a_mask_may_close_over_traced_arrays(kernel_constants):
+def test_in_parts_a_score_mod_and_a_mask_may_close_over_traced_arrays(monkeypatch):
     """The batch's parts are a custom JVP, which cannot close over a traced array: the
     arrays a score_mod or a from_fn mask closes over (a T5 bias table being trained, a
     mask's segment ids, traced by jit) are handed to it as arguments. The gradients,
@@ -341,7 +341,8 @@ def test_in_parts_a_score_mod_and_a_mask_may_close_over_traced_arrays(kernel_con
     q, k, v = draws.normals(generator, (b, T, N, H), (b, S, K, H), (b, S, K, V))
     table = draws.normal(generator, (32, N))    # T5's 32 buckets
     ids = jax.device_put(np.sort(generator.integers(0, 2, (b, S), np.int32), axis=-1))
-    kernel_constants(DENSE_PART_MIN_GRID=T * S, DENSE_PART_BYTES=b * N * T * S * 4 // 3)
+    monkeypatch.setattr(attention_module, "DENSE_PART_MIN_GRID", T * S)
+    monkeypatch.setattr(attention_module, "DENSE_PART_BYTES", b * N * T * S * 4 // 3)
 
     def loss(implementation):
         def run(q, k, v, table, ids):
@@ -362,7 +363,7 @@ def test_in_parts_a_score_mod_and_a_mask_may_close_over_traced_arrays(kernel_con
 
 
 def test_a_batch_of_small_heads_differentiates_in_two_halves_with_the_same_numbers(
-        kernel_constants):
+        monkeypatch):
     """Heads of fewer than DENSE_PART_MIN_GRID logits run their derivatives in two
     halves of the batch once its logits reach half a part (one half per core), the
     forward pass whole, a decoding step (T = 1) whole; the numbers are the whole batch's."""
@@ -384,7 +385,7 @@ def test_a_batch_of_small_heads_differentiates_in_two_halves_with_the_same_numbe
     assert logits_bytes < attention_module.DENSE_PART_BYTES // 2   # too little: whole
     whole_backward = _dots(backward(), q, k, v)
     whole = jax.jit(backward())(q, k, v)
-    kernel_constants(DENSE_PART_BYTES=2 * logits_bytes)
+    monkeypatch.setattr(attention_module, "DENSE_PART_BYTES", 2 * logits_bytes)
     assert attention_module._dense_parts(b, T, S, N) == 2
     assert attention_module._dense_parts(1, T, S, N) == 1     # one example: nothing to halve
     assert attention_module._dense_parts(b, 1, S, N * T) == 1  # a decoding step
@@ -393,7 +394,7 @@ def test_a_batch_of_small_heads_differentiates_in_two_halves_with_the_same_numbe
     chex.assert_trees_all_close(jax.jit(backward())(q, k, v), whole, rtol=1e-6, atol=1e-6)
 
 
-def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch, kernel_constants):
+def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch):
     """Parts of the batch (here 3 of B=5, unequal) give the numbers of one part: every
     per-example array (segment ids, lengths, bias, dropout keys) follows its example."""
     b = 5
@@ -431,8 +432,9 @@ def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch, ker
     half = [x.astype(jnp.bfloat16) for x in (q, k, v, bias)]
     whole_half_pads = _count("pad", backward(), *half)
     whole_half_grads = jax.jit(backward())(*half)
+    monkeypatch.setattr(attention_module, "DENSE_PART_MIN_GRID", T * S)
     logits_bytes = b * N * T * S * 4
-    kernel_constants(DENSE_PART_MIN_GRID=T * S, DENSE_PART_BYTES=logits_bytes // 3)
+    monkeypatch.setattr(attention_module, "DENSE_PART_BYTES", logits_bytes // 3)
     # the derivatives in 3 parts; a forward pass alone, faster whole, stays whole
     assert _dots(backward(), q, k, v, bias) == 3 * whole_backward
     # half-precision gradients of the parts are joined by one concatenation each, not
@@ -444,6 +446,5 @@ def test_on_a_cpu_the_batch_runs_in_parts_with_the_same_numbers(monkeypatch, ker
     chex.assert_trees_all_close(results(), whole, rtol=1e-6, atol=1e-6)
     # only a CPU runs in parts
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    kernel_constants()
     assert _dots(backward(), q, k, v, bias) == whole_backward
     assert attention_module._dense_parts(b, T, S, N) == 1

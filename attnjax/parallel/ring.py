@@ -402,7 +402,7 @@ def ring_attention(
         me = lax.axis_index(axis_name)
         positions = (_shard_positions(me, p, t, layout) + p * (s - t),
                      _shard_positions(me, p, s, layout))
-    bound, traced = _hoisted(mask.bind(Shape(b, t, s, n), positions))
+    bound, traced = _hoisted(mask.bind(Shape(b, t, s, n), positions, traced=True))
     # [B, T, N, V]
     return _ring(query, key, value, bound, traced, axis_name, _checks.resolve_scale(scale, h))
 

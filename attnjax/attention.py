@@ -805,6 +805,16 @@ def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:
     return max(1, min(batch, DENSE_PARTS_MAX, logits // DENSE_PART_BYTES))
 
 
+def _concrete(x) -> bool:
+    """Whether x has a value now: a concrete array, or one an eager jax.grad or jvp
+    traces (not a value jit, vmap or shard_map traces)."""
+    try:
+        jax.extend.core.concrete_or_error(None, x)
+    except jax.errors.ConcretizationTypeError:
+        return False
+    return True
+
+
 # A call runs as one jitted function, compiled once per shape and static options, rather
 # than as the hundreds of one-operation programs the kernel is made of: a user's eager
 # call, a flax module outside jit, and an eager jax.grad or jax.vmap of either get one
@@ -818,16 +828,6 @@ def _dense_parts(batch: int, t: int, s: int, num_heads: int) -> int:
 # arrays, they compile, for what they compute at that call (`functions_as_of`): a
 # function that reads a Python number or an array it closes over, changed since,
 # compiles again, as an eager call reads the state of the moment.
-def _concrete(x) -> bool:
-    """Whether x has a value now: a concrete array, or one an eager jax.grad or jvp
-    traces (not a value jit, vmap or shard_map traces)."""
-    try:
-        jax.extend.core.concrete_or_error(None, x)
-    except jax.errors.ConcretizationTypeError:
-        return False
-    return True
-
-
 def _per_head_as_of(computed, settings, *args, **kwargs):
     """`_per_head(*args, **kwargs)`, compiled apart for each `computed` (see
     functions_as_of) and `settings` (`_trace_settings`)."""
@@ -847,6 +847,8 @@ def _trace_settings() -> tuple:
     return (jax.default_backend(), DENSE_PART_BYTES, DENSE_PARTS_MAX, DENSE_PART_MIN_GRID,
             chunked.DEFAULT_BLOCK_Q, chunked.DEFAULT_BLOCK_K, chunked.LOGITS_BLOCK_BYTES,
             chunked.BOUNDED_RANGE, core.ONE_PASS_TERMS)
+
+
 # The functions of recent calls, held weakly where they allow it (a lambda is kept alive
 # by nothing here, and a new one never matches a dead one).
 _RECENT_FUNCTIONS: collections.OrderedDict = collections.OrderedDict()

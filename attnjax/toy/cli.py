@@ -272,19 +272,17 @@ def _begin_run(workdir: Path, config: Config, force_new: bool) -> str:
     interrupted from here to its first step says."""
     if jax.process_index():
         return BEFORE_TRAINING
-    deleted = ""
     try:
-        if force_new:
-            for path in _run_entries(workdir):
-                is_dir = path.is_dir() and not path.is_symlink()
-                shutil.rmtree(path) if is_dir else path.unlink(missing_ok=True)
-                deleted = f" (--force-new deleted the run {workdir} held)"
+        entries = _run_entries(workdir) if force_new else []
+        for path in entries:
+            is_dir = path.is_dir() and not path.is_symlink()
+            shutil.rmtree(path) if is_dir else path.unlink(missing_ok=True)
         _write_atomically(workdir / "config.yaml", dump_config(config))
-        return (f"{BEFORE_TRAINING} but its config.yaml{deleted}: rerun the same command "
-                f"to start it")
     except OSError as e:
         raise _workdir_error(workdir, e, "the run in it, if any, is as it was" if not force_new
                              else "its old run may be partly deleted") from None
+    deleted = f" (--force-new deleted the run {workdir} held)" if entries else ""
+    return f"{BEFORE_TRAINING} but its config.yaml{deleted}: rerun the same command to start it"
 
 
 class _Window:

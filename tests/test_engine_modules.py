@@ -139,6 +139,41 @@ def test_flax_module_learns_sinks_and_applies_its_score_mod(rng):
     assert np.all(np.abs(np.asarray(grads["sinks"])) > 0)
 
 
+def test_an_option_the_module_sets_given_at_the_call_too_is_an_error(rng, own_checks_only):
+    """A module's score_mod, use_sinks or score="dot" sets the engine's score_mod, sinks
+    or scale: the same keyword at the call is refused, never silently one of the two
+    (linen and nnx alike)."""
+    from flax import nnx
+
+    import attnjax.nnx as anx
+
+    x = _x(rng, B, 5, D)
+    cases = [(dict(score_mod=scores.soft_cap(50.0)), dict(score_mod=scores.soft_cap(0.01)),
+              r"score_mod= was given at the call of a module whose score_mod=.* sets it"),
+             (dict(use_sinks=True), dict(sinks=jnp.full((N,), 100.0)),
+              r"sinks= was given at the call of a module whose use_sinks=True sets it"),
+             (dict(score="dot"), dict(scale=0.001),
+              r"scale= was given at the call of a module whose score='dot' sets it")]
+    for fields, call, message in cases:
+        module = nn.MultiHeadAttention(num_heads=N, **fields)
+        params = jax.jit(module.init)(rng, x)
+        with pytest.raises(ValueError, match=message):
+            module.apply(params, x, **call)
+        layer = anx.MultiHeadAttention(N, D, decode=False, rngs=nnx.Rngs(0), **fields)
+        with pytest.raises(ValueError, match=message):
+            layer(x, **call)
+
+
+def test_the_linen_layers_name_an_option_they_do_not_know(rng, own_checks_only):
+    x = _x(rng, B, 5, D)
+    with pytest.raises(ValueError, match=r"activation must be one of \('relu', 'gelu'\); "
+                                         r"got 'silu'"):
+        nn.FeedForward(d_ff=8, activation="silu").init(rng, x)
+    with pytest.raises(ValueError, match=r"kind must be one of \('sinusoidal', 'learned', "
+                                         r"'none'\); got 'learnt'"):
+        nn.PositionalEncoding(max_len=8, kind="learnt").init(rng, x)
+
+
 def test_flax_module_takes_a_mask_value_and_positions(rng):
     x = _x(rng, B, 8, D)
     module = nn.MultiHeadAttention(num_heads=N)

@@ -194,21 +194,27 @@ def test_a_decoding_step_traced_sized_for_every_append_calls_no_host(inputs):
 @pytest.mark.filterwarnings("ignore:Casting from complex to real:DeprecationWarning")
 def test_complex_inputs_run_in_flax_s_attention():
     """attnjax's kernels are real: complex inputs run flax's own attention, with flax's
-    numbers; is_causal is passed to it."""
+    numbers; the call's is_causal is passed to it, and the module's own is_causal (which
+    aligns bottom-right) is an error, as in the linen module."""
     x = jax.lax.complex(_normal(B, T, D), _normal(B, T, D))
     theirs, ours = _pair(3, num_heads=4, in_features=D)
-    causal = anx.MultiHeadAttention(rngs=nnx.Rngs(3), decode=False, num_heads=4,
-                                    in_features=D, is_causal=True)
     with as_users_run():  # flax promotes the float32 parameters implicitly
         expected = _call(theirs, x, deterministic=True)
         got = _call(ours, x, deterministic=True)
         expected_causal = _call(theirs, x, mask=nnx.make_causal_mask(jnp.ones((B, T))),
                                 deterministic=True)
-        got_causal = _call(causal, x, deterministic=True)
+        got_causal = _call(ours, x, deterministic=True, is_causal=True)
     assert got.dtype == expected.dtype == jnp.complex64
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=ATOL)
     np.testing.assert_allclose(got_causal, expected_causal, rtol=1e-5, atol=ATOL)
     assert not np.allclose(got_causal, got)
+    causal = anx.MultiHeadAttention(rngs=nnx.Rngs(3), decode=False, num_heads=4,
+                                    in_features=D, is_causal=True)
+    with as_users_run(), pytest.raises(
+            ValueError, match=r"complex inputs \(complex64\) run in flax's attention "
+                              r"instead of attnjax's engine.*is_causal"):
+        causal(x, deterministic=True)
+
 
 def test_flax_errors():
     _, ours = _pair(0, num_heads=2, in_features=D)
@@ -236,6 +242,17 @@ def test_flax_errors():
     with pytest.raises(ValueError, match="attention_fn replaces attnjax's engine"):
         anx.MultiHeadAttention(2, D, attention_fn=nnx.dot_product_attention, window=2,
                                decode=False, rngs=nnx.Rngs(0))(x)
+    # attnjax's is_causal aligns bottom-right, flax's attention top-left: not passed on
+    with pytest.raises(ValueError, match="attention_fn replaces attnjax's engine.*"
+                                         "got is_causal=True"):
+        anx.MultiHeadAttention(2, D, attention_fn=nnx.dot_product_attention, is_causal=True,
+                               decode=False, rngs=nnx.Rngs(0))(x)
+    with pytest.raises(ValueError, match=r"kind must be one of \('sinusoidal', 'learned', "
+                                         r"'none'\); got 'learnt'"):
+        anx.models.PositionalEncoding(8, D, kind="learnt", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"activation must be one of \('relu', 'gelu'\); "
+                                         r"got 'silu'"):
+        anx.models.FeedForward(D, 8, activation="silu", rngs=nnx.Rngs(0))
 
 
 def test_attnjax_fields_match_the_linen_module(inputs):
@@ -324,9 +341,47 @@ def test_from_linen_params_names_what_does_not_fit():
     with pytest.raises(ValueError, match=r"params\[logits/kernel\] must have shape \(16, 13\); "
                                          r"got \(16, 5\)"):
         anx.from_linen_params(model, params)
+    params["logits"]["kernel"] = jnp.ones((16, 13), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"params\[logits/kernel\] must have dtype float32 "
+                                         r"\(the model's param_dtype\); got bfloat16"):
+        anx.from_linen_params(model, params)
+    params["logits"]["kernel"] = 1.5
+    with pytest.raises(TypeError, match=r"params\[logits/kernel\] must be an array; got float"):
+        anx.from_linen_params(model, params)
     del params["logits"]
     with pytest.raises(ValueError, match=r"missing \['logits/bias', 'logits/kernel'\]"):
         anx.from_linen_params(model, params)
+
+
+def test_from_linen_params_unboxes_partitioned_params(inputs):
+    """Parameters a linen module made with flax.linen.with_partitioning come boxed."""
+    import flax.linen as fnn
+
+    x, _ = inputs
+    init = fnn.with_partitioning(fnn.initializers.lecun_normal(), (None, None, None))
+    linen = nn.MultiHeadDotProductAttention(num_heads=4, kernel_init=init)
+    boxed = linen.init(jax.random.key(5), x)["params"]
+    assert isinstance(boxed["query"]["kernel"], fnn.Partitioned)
+    model = anx.from_linen_params(
+        anx.MultiHeadAttention(4, D, decode=False, rngs=nnx.Rngs(1)), boxed)
+    expected = jax.jit(linen.apply)({"params": boxed}, x)
+    np.testing.assert_allclose(_call(model, x), expected, atol=ATOL)
+
+
+def test_view_deterministic_is_eval_mode_for_the_models(tokens):
+    """nnx.view(model, deterministic=True) switches a model's dropout off as
+    model.eval() does, and deterministic=False on as model.train() does."""
+    _, _, seq = tokens
+    config = nn.DecoderOnlyConfig(**{**vars(DECODER_ONLY), "dropout_rate": 0.5})
+    model = counterpart(nn.DecoderOnly(config), rngs=nnx.Rngs(7))
+    viewed = nnx.view(model, deterministic=True)
+    assert viewed.deterministic is True and model.deterministic is None
+    run = nnx.jit(lambda m, x: m(x))
+    evaluated = run(viewed, seq)
+    model.eval()
+    np.testing.assert_array_equal(evaluated, run(model, seq))
+    dropped = nnx.view(model, deterministic=False)(seq, rngs=nnx.Rngs(dropout=3))
+    assert not np.allclose(dropped, evaluated)
 
 
 def test_nnx_decoder_only_decodes_on_its_cache(tokens):

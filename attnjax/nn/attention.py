@@ -28,7 +28,8 @@ from attnjax.attention import dot_product_attention
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
-# attnjax's own fields, at their defaults: what attention_fn (flax's signature) cannot take.
+# attnjax's own fields of both module APIs, at their defaults: what attention_fn (flax's
+# signature) cannot take.
 _ENGINE_FIELDS = {"is_causal": False, "window": None, "score_mod": None, "use_sinks": False,
                   "implementation": None, "score": "scaled_dot"}
 
@@ -227,8 +228,10 @@ class MultiHeadDotProductAttention(nn.Module):
         sow_weights: store the `[batch..., N, T, S]` weights in the "intermediates"
         collection as "attention_weights", as flax does. attention_options: any other
         keyword of `attnjax.dot_product_attention` (bias, query_lengths, positions,
-        score_mod, sinks, causal_alignment, ...); with several batch axes its
-        per-example arrays (and a Mask's) are laid out over their flattened product."""
+        score_mod, sinks, causal_alignment, ...), but one the module's fields set
+        (score_mod, sinks with use_sinks, scale with score="dot"): a ValueError; with
+        several batch axes its per-example arrays (and a Mask's) are laid out over their
+        flattened product."""
         inputs_q, inputs_k, inputs_v = _inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
         dtype = self.dtype or _promoted_dtype((inputs_q, inputs_k, inputs_v), self.param_dtype)
         inputs_q, inputs_k, inputs_v = (x.astype(dtype) for x in (inputs_q, inputs_k, inputs_v))
@@ -362,7 +365,7 @@ class MultiHeadDotProductAttention(nn.Module):
                         sow_weights, attention_options, replaced_by: str):
         """flax's attention call: attention_fn (or flax's own, for the einsum classes and
         complex inputs) with flax's keywords, filtered by its signature."""
-        check_flax_signature(self, _ENGINE_FIELDS, attention_options, mask, replaced_by)
+        check_flax_signature(self, attention_options, mask, replaced_by)
         if key.shape[-2] != query.shape[-2]:
             raise ValueError(f"{replaced_by} attnjax's engine with flax's attention signature, "
                              f"which takes as many key/value heads as query heads; got "
@@ -569,12 +572,11 @@ def flax_attention_reason(dtype, replaced: bool, replacer: str) -> str | None:
     return None
 
 
-def check_flax_signature(module, engine_fields: dict, attention_options, mask,
-                         replaced_by: str) -> None:
+def check_flax_signature(module, attention_options, mask, replaced_by: str) -> None:
     """An attention function with flax's signature takes a mask array only: a module
     field of attnjax's own not at its default, any engine keyword or a Mask is an error."""
     engine_only = [f"{name}={getattr(module, name)!r}" for name, default in
-                   engine_fields.items() if getattr(module, name) != default]
+                   _ENGINE_FIELDS.items() if getattr(module, name) != default]
     engine_only += [f"{name}=" for name in attention_options]
     if isinstance(mask, masks.Mask):
         engine_only.append(f"mask={mask!r}")
@@ -655,14 +657,18 @@ def engine_attention(query, key, value, mask, cached: kv_cache.Appended | None, 
                              "cache places new tokens at its own index")
         visible = kv_cache.visible(visible, cached)
         attention_options["positions"] = cached.positions
-    if score_mod is not None:
-        attention_options["score_mod"] = score_mod
-    if sinks is not None:
-        attention_options["sinks"] = sinks
-    if score == "dot":
-        attention_options["scale"] = 1.0
-    elif alignment is not None:
-        attention_options["alignment"] = alignment
+    # the module's own options; the same option given at the call too is an error
+    own = {"score_mod": (score_mod, f"score_mod={score_mod!r}"),
+           "sinks": (sinks, "use_sinks=True"),
+           "scale": (1.0 if score == "dot" else None, "score='dot'"),
+           "alignment": (None if score == "dot" else alignment, f"score={score!r}")}
+    for name, (setting, field) in own.items():
+        if setting is None:
+            continue
+        if name in attention_options:
+            raise ValueError(f"{name}= was given at the call of a module whose {field} "
+                             f"sets it; give it in one place")
+        attention_options[name] = setting
     if len(batch) > 1:
         # [B, T, N, H], [B, S, K, H], [B, S, K, V]
         query, key, value = (x.reshape((-1,) + x.shape[len(batch):])

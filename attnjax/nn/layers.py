@@ -9,6 +9,15 @@ from jax import lax
 
 from attnjax import multi_head
 
+POSITIONAL = ("sinusoidal", "learned", "none")
+ACTIVATIONS = ("relu", "gelu")
+
+
+def check_choice(name: str, value, allowed: tuple) -> None:
+    """A ValueError naming the option unless value is one of allowed."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
+
 
 class FeedForward(nn.Module):
     """Position-wise Dense(d_ff) → activation → dropout → Dense(d_model).
@@ -29,6 +38,7 @@ class FeedForward(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
+        check_choice("activation", self.activation, ACTIVATIONS)
         act = {"relu": nn.relu, "gelu": nn.gelu}[self.activation]
         # [B, L, F]
         hidden = act(nn.Dense(self.d_ff, dtype=self.dtype, name="wi",
@@ -87,6 +97,7 @@ class PositionalEncoding(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions=None):
+        check_choice("kind", self.kind, POSITIONAL)
         length, d_model = x.shape[-2], x.shape[-1]
         if self.kind == "none":
             return x

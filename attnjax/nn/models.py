@@ -15,10 +15,8 @@ import numpy as np
 from attnjax import _checks, masks, scores
 from attnjax.attention import IMPLEMENTATIONS as ENGINE_IMPLEMENTATIONS
 from attnjax.nn.attention import SCORES, MultiHeadAttention
-from attnjax.nn.layers import FeedForward, PositionalEncoding
+from attnjax.nn.layers import ACTIVATIONS, POSITIONAL, FeedForward, PositionalEncoding
 
-POSITIONAL = ("sinusoidal", "learned", "none")
-ACTIVATIONS = ("relu", "gelu")
 DTYPES = ("float32", "bfloat16", "float16")
 # "xla" is jax.nn's name, which dot_product_attention takes for its own default.
 IMPLEMENTATIONS = (None, *ENGINE_IMPLEMENTATIONS, "xla")

@@ -33,10 +33,6 @@ from attnjax.nn.attention import (
     flax_attention_reason,
 )
 
-# attnjax's own fields, at their defaults: what attention_fn (flax's signature) cannot take.
-_ENGINE_FIELDS = {"window": None, "score_mod": None, "use_sinks": False,
-                  "implementation": None, "score": "scaled_dot"}
-
 
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention with `flax.nnx.MultiHeadAttention`'s constructor, call,
@@ -216,8 +212,10 @@ class MultiHeadAttention(nnx.Module):
         "attention_weights", as flax sows them (collect them with
         `nnx.capture(module, nnx.Intermediate)`). attention_options: any other keyword of
         `attnjax.dot_product_attention` (bias, query_lengths, positions, score_mod,
-        sinks, causal_alignment, ...); with several batch axes its per-example arrays
-        (and a Mask's) are laid out over their flattened product."""
+        sinks, causal_alignment, ...), but one the module's fields set (score_mod, sinks
+        with use_sinks, scale with score="dot"): a ValueError; with several batch axes
+        its per-example arrays (and a Mask's) are laid out over their flattened
+        product."""
         if rngs is None:
             rngs = self.rngs
         elif isinstance(rngs, rnglib.Rngs):
@@ -326,14 +324,14 @@ class MultiHeadAttention(nnx.Module):
     def _flax_attention(self, query, key, value, mask, cached, is_causal, dropout_rate,
                         dropout_rng, sow_weights, attention_options, replaced_by: str):
         """attention_fn (flax's own for complex inputs) called as flax.nnx calls it."""
-        check_flax_signature(self, _ENGINE_FIELDS, attention_options, mask, replaced_by)
+        check_flax_signature(self, attention_options, mask, replaced_by)
         if cached is not None:
             mask = nnx.combine_masks(mask, kv_cache.filled_slots(cached, query.shape[:-3]))
         return (self.attention_fn or nnx.dot_product_attention)(
             query, key, value, mask=mask, dropout_rng=dropout_rng,
             dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
             deterministic=dropout_rate == 0.0, dtype=self.dtype, precision=self.precision,
-            module=self if sow_weights else None, is_causal=self.is_causal or is_causal)
+            module=self if sow_weights else None, is_causal=is_causal)
 
     def init_cache(self, input_shape, dtype: Any = jnp.float32):
         """Size the KV cache for inputs of `input_shape` `[batch..., L, features]`:

@@ -5,6 +5,7 @@ a model's parameters are one tree in either API; these two functions move it acr
 """
 
 from flax import nnx
+from flax.core import meta
 
 
 def to_linen_params(model: nnx.Module) -> dict:
@@ -20,7 +21,10 @@ def from_linen_params(model: nnx.Module, params) -> nnx.Module:
     """Load the `params` of an `attnjax.nn` (linen) module — `variables["params"]` —
     into its `attnjax.nnx` counterpart, in place, and return it. The trees must match
     exactly (same config): a missing or extra parameter is a ValueError naming it, a
-    shape that differs a ValueError naming the parameter and both shapes."""
+    shape or dtype that differs a ValueError naming the parameter and both, a leaf that
+    is not an array a TypeError. Boxed parameters (`flax.linen.with_partitioning`'s
+    `Partitioned`) are unboxed."""
+    params = meta.unbox(params)
     state = nnx.state(model, nnx.Param)
     expected = {path: leaf for path, leaf in _flat(nnx.to_pure_dict(state))}
     given = dict(_flat(params))
@@ -30,9 +34,15 @@ def from_linen_params(model: nnx.Module, params) -> nnx.Module:
                          f"missing {['/'.join(p) for p in missing]}, "
                          f"unexpected {['/'.join(p) for p in extra]}")
     for path, leaf in expected.items():
-        if tuple(given[path].shape) != tuple(leaf.shape):
-            raise ValueError(f"params[{'/'.join(path)}] must have shape {tuple(leaf.shape)}; "
-                             f"got {tuple(given[path].shape)}")
+        name, value = "/".join(path), given[path]
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            raise TypeError(f"params[{name}] must be an array; got {type(value).__name__}")
+        if tuple(value.shape) != tuple(leaf.shape):
+            raise ValueError(f"params[{name}] must have shape {tuple(leaf.shape)}; "
+                             f"got {tuple(value.shape)}")
+        if value.dtype != leaf.dtype:
+            raise ValueError(f"params[{name}] must have dtype {leaf.dtype} (the model's "
+                             f"param_dtype); got {value.dtype}")
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
     return model

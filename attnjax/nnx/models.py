@@ -20,7 +20,7 @@ from jax import lax
 
 from attnjax import scores
 from attnjax.nn import models as linen_models
-from attnjax.nn.layers import _sinusoids_at
+from attnjax.nn.layers import ACTIVATIONS, POSITIONAL, _sinusoids_at, check_choice
 from attnjax.nn.models import (
     DecoderOnlyConfig,
     TransformerConfig,
@@ -39,6 +39,7 @@ class FeedForward(nnx.Module):
 
     def __init__(self, d_model: int, d_ff: int, dropout_rate: float = 0.0,
                  activation: str = "relu", dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
+        check_choice("activation", activation, ACTIVATIONS)
         self.activation = activation
         self.wi = nnx.Linear(d_model, d_ff, dtype=dtype, rngs=rngs)
         self.wo = nnx.Linear(d_ff, d_model, dtype=dtype, rngs=rngs)
@@ -59,6 +60,7 @@ class PositionalEncoding(nnx.Module):
 
     def __init__(self, max_len: int, d_model: int, kind: str = "sinusoidal",
                  decode: bool = False, *, rngs: nnx.Rngs):
+        check_choice("kind", kind, POSITIONAL)
         self.kind = kind
         self.decode = decode
         if kind == "learned":
@@ -113,6 +115,15 @@ def _attention(config, *, rngs, **kw) -> MultiHeadAttention:
         rngs=rngs, **kw)
 
 
+class _Viewed:
+    """`set_view` for a module with a `deterministic` attribute, which `nnx.view(model,
+    deterministic=...)` sets as `model.eval()` and `model.train()` do."""
+
+    def set_view(self, deterministic: bool | None = None):
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+
 class _Residual(nnx.Module):
     """x + Dropout(f(LN(x))) (pre-LN) or LN(x + Dropout(f(x))) (post-LN)."""
 
@@ -150,7 +161,7 @@ def _pair(positions):
     return None if positions is None else (positions, positions)
 
 
-class EncoderBlock(nnx.Module):
+class EncoderBlock(_Viewed, nnx.Module):
     """Self-attention over the source, then the feed-forward network."""
 
     def __init__(self, config, *, deterministic: bool | None = None, rngs: nnx.Rngs):
@@ -176,7 +187,7 @@ class EncoderBlock(nnx.Module):
             deterministic=deterministic, rngs=rngs)
 
 
-class DecoderBlock(nnx.Module):
+class DecoderBlock(_Viewed, nnx.Module):
     """Causal self-attention, cross-attention to the encoder (cross=True), feed-forward."""
 
     def __init__(self, config, decode: bool = False, cross: bool = True, *,
@@ -281,7 +292,7 @@ def _init_caches(model, batch_size: int, max_length: int, dtype) -> None:
             module.init_cache()
 
 
-class Transformer(nnx.Module):
+class Transformer(_Viewed, nnx.Module):
     """Encoder–decoder Transformer: `(src [B, S], tgt [B, T]) -> logits [B, T, V_tgt]`,
     as `attnjax.nn.Transformer` (the same arguments, plus rngs for dropout)."""
 
@@ -343,7 +354,7 @@ class Transformer(nnx.Module):
                                   rngs=rngs)
 
 
-class DecoderOnly(nnx.Module):
+class DecoderOnly(_Viewed, nnx.Module):
     """A causal language model: `tokens [B, L] -> logits [B, L, V]`, as
     `attnjax.nn.DecoderOnly` (the same arguments, plus rngs for dropout)."""
 

@@ -179,7 +179,9 @@ def test_mesh_sizes_that_divide_the_devices():
     mesh = mesh_lib.make_mesh({"data": 1, "seq": 2}, jax.devices()[:4])
     assert dict(mesh.shape) == {"data": 1, "model": 1, "seq": 2}
     assert list(mesh.devices.flat) == jax.devices()[:2]
-    with pytest.raises(ValueError, match=r"the mesh {'seq': 3} needs 3 devices; there are 4"):
+    with pytest.raises(ValueError, match=r"the mesh {'seq': 3} needs 3 devices; there are 4, "
+                                         r"and a mesh takes a number of them that divides "
+                                         r"theirs: 1, 2 or 4$"):
         mesh_lib.make_mesh({"seq": 3}, jax.devices()[:4])
     assert mesh_lib.parse_mesh("data=2,seq=2") == {"data": 2, "seq": 2}
     # an axis make_mesh does not have, or a size below 1 (a misspelled axis had been left

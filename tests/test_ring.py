@@ -267,6 +267,19 @@ def test_ring_self_attention_errors(kwargs, message):
         ring.ring_self_attention(q, q, q, _mesh(), **kwargs)
 
 
+@pytest.mark.usefixtures("own_checks_only")
+def test_ring_self_attention_s_shape_errors_name_the_callers_shapes():
+    """Not the shards' (T / P) that ring_attention sees inside shard_map."""
+    q = jnp.ones((2, 32, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"key heads K=3 must divide query heads N=4; got "
+                                         r"query \[2, 32, 4, 8\] \[B, T, N, H\], key "
+                                         r"\[2, 32, 3, 8\]"):
+        ring.ring_self_attention(q, q[:, :, :3], q[:, :, :3], _mesh())
+    with pytest.raises(ValueError, match=r"query and key must agree on B and H; got query "
+                                         r"\[2, 32, 4, 8\]"):
+        ring.ring_self_attention(q, q[..., :4], q, _mesh())
+
+
 def _grid_mesh():
     return Mesh(np.asarray(jax.devices()[:P]).reshape(2, 2), ("data", "seq"))
 

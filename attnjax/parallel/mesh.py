@@ -75,7 +75,16 @@ def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
                              f"{count!r}")
     sizes = tuple(shape.get(axis, 1) for axis in AXES)
     size = math.prod(sizes)
-    if len(devices) % size or (size < len(devices) and jax.process_count() > 1):
+    if size < len(devices) and jax.process_count() > 1:
+        raise ValueError(f"the mesh {shape} needs {size} devices; there are {len(devices)} "
+                         f"across {jax.process_count()} processes, and with several processes "
+                         f"the mesh takes every device")
+    if len(devices) % size and size < len(devices):
+        divisors = [d for d in range(1, len(devices) + 1) if len(devices) % d == 0]
+        raise ValueError(f"the mesh {shape} needs {size} devices; there are {len(devices)}, "
+                         f"and a mesh takes a number of them that divides theirs: "
+                         f"{', '.join(map(str, divisors[:-1]))} or {divisors[-1]}")
+    if len(devices) % size:
         raise ValueError(f"the mesh {shape} needs {size} devices; there are "
                          f"{len(devices)}{_more_devices_hint(size)}")
     return Mesh(np.asarray(devices[:size]).reshape(sizes), AXES)

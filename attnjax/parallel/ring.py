@@ -577,6 +577,8 @@ def ring_self_attention(
                              f"{_checks.shape_str((b, t))}; got {name} "
                              f"{_checks.shape_str(x.shape)} for query "
                              f"{_checks.shape_str(query.shape)}")
+    # on the whole arrays, so that a message names the caller's shapes, not a shard's
+    _check(query, key, value, "contiguous")
     for name, given in (("axis", axis), ("batch_axis", batch_axis), ("head_axis", head_axis)):
         if given is not None and given not in mesh.shape:
             raise ValueError(f"{name}={given!r} is not an axis of the mesh; its axes are "

@@ -157,8 +157,9 @@ def dot_product_attention(
         at i + (S − T) and key j at j.
       score_mod: `score_mod(score, b, n, q_pos, k_pos) -> score`, applied elementwise
         to the scaled logits (plus bias) before masking, on blocks: score float32
-        `[T', S']`, b and n int32 scalars, q_pos `[T', 1]`, k_pos `[1, S']`. Gradients
-        reach the arrays it closes over. Built in: `attnjax.scores.soft_cap`, `alibi`,
+        `[T', S']`, b and n int32 scalars, q_pos `[T', 1]`, k_pos `[1, S']`; it returns
+        floating scores of the score's shape (a bool rule is a mask: `masks.from_fn`).
+        Gradients reach the arrays it closes over. Built in: `attnjax.scores.soft_cap`, `alibi`,
         `relative_position_bias`, `chain`.
       sinks: float `[N]`, one learned logit per query head that joins every row's
         softmax denominator with a zero value vector (attention sinks); differentiable.

@@ -408,7 +408,8 @@ class Score:
 
 def apply_score_mod(mod, logits, args, biased: bool):
     """`mod(logits, *args)` in the logits' dtype; a ValueError unless it has their shape
-    (a broadcastable one would silently give every row the same scores).
+    (a broadcastable one would silently give every row the same scores), a TypeError
+    unless it is floating (a bool or int one would be cast to scores silently).
 
     biased: the logits include a bias, whose −inf entries are a mask: they stay −inf,
     whatever score_mod makes of them (a soft cap would make −cap of them, a weight),
@@ -419,5 +420,12 @@ def apply_score_mod(mod, logits, args, biased: bool):
         raise ValueError(f"score_mod must return the score's shape "
                          f"{_checks.shape_str(logits.shape)}; got "
                          f"{_checks.shape_str(jnp.shape(out))}")
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        # a mask written as a score_mod (j <= i), say: scores of 0 and 1, not a mask
+        hint = (": a rule of which keys a query sees is a mask (masks.from_fn)"
+                if out.dtype == jnp.bool_ else "")
+        raise TypeError(f"score_mod must return floating scores (the score's dtype "
+                        f"{jnp.dtype(logits.dtype).name}); got {jnp.dtype(out.dtype).name}"
+                        f"{hint}")
     out = out.astype(logits.dtype)
     return out if hidden is None else jnp.where(hidden, logits, out)

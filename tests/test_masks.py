@@ -729,6 +729,17 @@ MISTAKES = [
     ("positions_float", lambda: _attend(positions=(jnp.zeros((9,), jnp.int32),
                                                    jnp.zeros((11,), jnp.float32))),
      TypeError, r"key positions must have an integer dtype; got float32"),
+    # a mask written as a score_mod: scores of 0 and 1, silently, before
+    ("score_mod_bool", lambda: _attend(score_mod=lambda score, b, n, q, k: k <= q), TypeError,
+     r"score_mod must return floating scores \(the score's dtype float\d+\); got bool: a "
+     r"rule of which keys a query sees is a mask \(masks.from_fn\)"),
+    ("score_mod_int_chunked", lambda: _attend(
+        score_mod=lambda score, b, n, q, k: (score > 0).astype(jnp.int32),
+        implementation="chunked"),
+     TypeError, r"score_mod must return floating scores \(the score's dtype float\d+\); "
+                r"got int32"),
+    ("lengths_ragged", lambda: _plain(masks.lengths)(key=[[1], [2, 3]]), TypeError,
+     r"lengths key must be an int array \[B\]; got a ragged list"),
     ("score_mod_shape", lambda: _attend(score_mod=lambda score, b, n, q, k: score[0]),
      ValueError, r"score_mod must return the score's shape \[9, 11\]; got \[11\]"),
     # the chunked kernel calls score_mod on blocks (here one of 16 × 16); before, it
@@ -758,6 +769,20 @@ MISTAKES = [
 def test_a_bad_rule_argument_is_a_named_error(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_lengths_and_prefix_take_lists_as_the_lengths_keywords_do(rng):
+    """masks.lengths(key=[3, 11]) as key_lengths=[3, 11] (jax.nn takes lists), and
+    masks.prefix([1, 4]) as its array; both were a TypeError."""
+    q, k, v = (draws.normal(jax.random.fold_in(rng, i), x.shape) for i, x in
+               enumerate((_Q, _K, _V)))
+    attend = _plain(attnjax.dot_product_attention)
+    np.testing.assert_array_equal(
+        attend(q, k, v, mask=_plain(masks.lengths)(query=[9, 5], key=[3, 11])),
+        attend(q, k, v, query_lengths=jnp.array([9, 5]), key_lengths=jnp.array([3, 11])))
+    np.testing.assert_array_equal(
+        attend(q, k, v, mask=masks.causal() | _plain(masks.prefix)([1, 4])),
+        attend(q, k, v, mask=masks.causal() | masks.prefix(jnp.array([1, 4], jnp.int32))))
 
 
 def test_rule_errors_are_raised_at_trace_time_under_jit():

@@ -91,7 +91,11 @@ def _failure_said_once():
     tasks.addFilter(logged_exception)
     sys.unraisablehook = dropping_echoes
     try:
-        yield outcome
+        with warnings.catch_warnings():
+            # a coroutine freed before the operation ends (by its gc.collect, say)
+            warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited",
+                                    RuntimeWarning)
+            yield outcome
     finally:
         if outcome.failed:   # and a coroutine never started, when freed: a warning
             warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited",

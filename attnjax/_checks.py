@@ -280,3 +280,16 @@ def resolve_block_sizes(block_sizes) -> tuple[int, int]:
         raise ValueError(f"block_sizes must be a pair of positive ints (block_q, block_k); "
                          f"got {block_sizes!r}")
     return int(block_sizes[0]), int(block_sizes[1])
+
+
+def as_array(name: str, x, required: bool = False):
+    """A list, tuple (of numbers or jax values, traced too) or Python number as an
+    array; anything else as given (its checks name what is wrong). required: x (query,
+    key or value) must become an array, whatever it is."""
+    if required or isinstance(x, (list, tuple, int, float)) and not isinstance(x, bool):
+        try:
+            return jnp.asarray(x)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be an array, or a list of numbers of one shape; "
+                            f"got {type(x).__name__} {str(x)[:60]}") from None
+    return x

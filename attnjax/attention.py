@@ -226,7 +226,7 @@ def dot_product_attention(
                           key_value_seq_lengths)
     window = _one_of("window", window, "local_window_size", local_window_size)
     # Python lists and numbers too, as jax.nn takes them
-    bias, mask, query_lengths, key_lengths = (_as_array(name, x) for name, x in (
+    bias, mask, query_lengths, key_lengths = (_checks.as_array(name, x) for name, x in (
         ("bias", bias), ("mask", mask), ("query_lengths", query_lengths),
         ("key_lengths", key_lengths)))
     if implementation == "xla":
@@ -337,19 +337,6 @@ def _one_of(name: str, value, alias: str, alias_value):
     return alias_value
 
 
-def _as_array(name: str, x, required: bool = False):
-    """A list, tuple (of numbers or jax values, traced too) or Python number as an
-    array; anything else as given (its checks name what is wrong). required: x (query,
-    key or value) must become an array, whatever it is."""
-    if required or isinstance(x, (list, tuple, int, float)) and not isinstance(x, bool):
-        try:
-            return jnp.asarray(x)
-        except (TypeError, ValueError):
-            raise TypeError(f"{name} must be an array, or a list of numbers of one shape; "
-                            f"got {type(x).__name__} {str(x)[:60]}") from None
-    return x
-
-
 def _batch_of_one_dropped(x, rank: int):
     """An unbatched call's array x without its leading axis when it has `rank` axes and
     that one has size 1: jax.nn adds a batch of one to an unbatched call and takes
@@ -395,7 +382,7 @@ def _check_inputs(query, key, value, same_head_dim: bool):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if hasattr(x, "dtype"):   # the dtype given: jnp.asarray makes int64 int32 (no x64)
             _checks.check_floating(name, x)
-    query, key, value = (_as_array(name, x, required=True) for name, x in (
+    query, key, value = (_checks.as_array(name, x, required=True) for name, x in (
         ("query", query), ("key", key), ("value", value)))
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.check_floating(name, x)

@@ -806,22 +806,13 @@ def lengths(query: Int[ArrayLike, "*B"] | None = None,
     """
     if query is None and key is None:
         raise ValueError("lengths needs query= or key= (int [B]); got neither")
-    query, key = _listed("lengths query", query), _listed("lengths key", key)
+    # lists as the lengths keywords take them (jax.nn's)
+    query, key = (_checks.as_array(f"lengths {name}", x) if isinstance(x, (list, tuple)) else x
+                  for name, x in (("query", query), ("key", key)))
     for name, x in (("query", query), ("key", key)):
         if x is not None and not hasattr(x, "dtype") and not isinstance(x, int):
             raise TypeError(f"lengths {name} must be an int array [B]; got {type(x).__name__}")
     return Mask(Lengths(query, key))
-
-
-def _listed(name: str, x):
-    """A list or tuple of numbers as a NumPy array, as jax.nn takes lengths; else x."""
-    if not isinstance(x, (list, tuple)):
-        return x
-    try:
-        return np.asarray(x)
-    except ValueError:   # ragged
-        raise TypeError(f"{name} must be an int array [B]; got a ragged {type(x).__name__}"
-                        ) from None
 
 
 def segments(query_ids: Int[ArrayLike, "*B T"], key_ids: Int[ArrayLike, "*B S"] | None = None
@@ -856,7 +847,8 @@ def prefix(length: int | Int[ArrayLike, "*B"]) -> Mask:
         >>> attnjax.dot_product_attention(q, k, v, mask=prefix_lm).shape
         (1, 6, 2, 8)
     """
-    length = _listed("prefix length", length)
+    if isinstance(length, (list, tuple)):
+        length = _checks.as_array("prefix length", length)
     if isinstance(length, bool) or not (isinstance(length, (int, np.integer))
                                         or hasattr(length, "dtype")):
         raise TypeError(f"prefix length must be an int or an int array [B]; got {length!r}")

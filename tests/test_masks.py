@@ -739,7 +739,7 @@ MISTAKES = [
      TypeError, r"score_mod must return floating scores \(the score's dtype float\d+\); "
                 r"got int32"),
     ("lengths_ragged", lambda: _plain(masks.lengths)(key=[[1], [2, 3]]), TypeError,
-     r"lengths key must be an int array \[B\]; got a ragged list"),
+     r"lengths key must be an array, or a list of numbers of one shape; got list"),
     ("score_mod_shape", lambda: _attend(score_mod=lambda score, b, n, q, k: score[0]),
      ValueError, r"score_mod must return the score's shape \[9, 11\]; got \[11\]"),
     # the chunked kernel calls score_mod on blocks (here one of 16 × 16); before, it

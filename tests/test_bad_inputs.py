@@ -286,6 +286,23 @@ MISTAKES = [
         jax.random.key(0), jnp.ones((1, 3, 8), jnp.float32)),
      ValueError, r"takes as many key/value heads as query heads; got num_kv_heads=2 for "
                  r"num_heads=4"),
+    # a learned alignment with a kernel that cannot run it: named where the module is
+    # made or first called (it had been found in the engine, naming its score_fn)
+    ("module_learned_score_kernel", lambda: nn.MultiHeadAttention(
+        num_heads=2, score="general", implementation="chunked").init(
+        jax.random.key(0), jnp.ones((1, 3, 4), jnp.float32)),
+     ValueError, r"score='general' is a learned alignment, which runs on "
+                 r"implementation='dense' \(or None\); got implementation='chunked'"),
+    ("nnx_learned_score_kernel", lambda: attnjax.nnx.MultiHeadAttention(
+        2, 4, score="additive", implementation="cudnn", decode=False, rngs=flax.nnx.Rngs(0)),
+     ValueError, r"score='additive' is a learned alignment, .*; got implementation='cudnn'"),
+    # an nnx cache longer than the learned positions (its tokens past them had all been
+    # encoded at the last)
+    ("nnx_cache_past_learned_positions", lambda: attnjax.nnx.DecoderOnly(
+        nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2, d_ff=24, max_len=8,
+                             positional="learned"), decode=True,
+        rngs=flax.nnx.Rngs(0)).init_cache(1, 9),
+     ValueError, r"max_length=9 exceeds the model's max_len=8 learned positions"),
     ("query_none", lambda: dpa(None, k, v),
      TypeError, r"query must be an array, or a list of numbers of one shape; got NoneType"),
     ("value_str", lambda: dpa(q, k, "abc"),

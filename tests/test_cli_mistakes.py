@@ -137,6 +137,9 @@ def test_a_name_too_long_for_the_filesystem_is_one_line(tmp_path, capsys, flag):
     # XLA's, for a batch the device cannot hold
     jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
                                "137438953472 bytes.\nmore of XLA's details"),
+    # XLA's on a CPU, for a model the machine cannot hold (model.d_ff=100000000)
+    jax.errors.JaxRuntimeError("INTERNAL: Error dispatching computation: Out of memory "
+                               "allocating 12800000000 bytes."),
 ])
 def test_memory_that_runs_out_is_one_line(tmp_path, capsys, monkeypatch, error):
     """A size in range that the machine cannot hold (batch_size=2147483647, say) exits 1
@@ -150,6 +153,27 @@ def test_memory_that_runs_out_is_one_line(tmp_path, capsys, monkeypatch, error):
     said = str(error).splitlines()[0]
     _one_line(capsys, f"error: out of memory ({said}); lower batch_size, eval_batch_size, "
                       f"task.eval_size or the model's sizes")
+
+
+def test_memory_that_runs_out_once_the_run_began_says_where_other_sizes_run(tmp_path, capsys,
+                                                                           monkeypatch, float32):
+    """Smaller sizes are another config, which the workdir, holding this run's
+    config.yaml, refuses: the line says how to run them (it sent the user into that
+    refusal)."""
+    error = jax.errors.JaxRuntimeError("INTERNAL: Error dispatching computation: Out of "
+                                       "memory allocating 12800000000 bytes.")
+
+    def allocating(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(cli, "Checkpoints", allocating)   # once config.yaml is written
+    workdir = tmp_path / "w"
+    tiny = [a for o in TINY for a in ("--set", o)]
+    assert cli.main(["--workdir", str(workdir), *tiny]) == 1
+    assert (workdir / "config.yaml").exists()
+    _one_line(capsys, f"error: out of memory ({error}); lower batch_size, eval_batch_size, "
+                      f"task.eval_size or the model's sizes (another config: in another "
+                      f"--workdir, or with --force-new to delete the run {workdir} holds)")
 
 
 def test_a_config_nested_too_deeply_is_one_line(tmp_path, capsys):

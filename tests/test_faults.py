@@ -615,6 +615,10 @@ def test_workdir_that_is_a_file_exits_2(tmp_path, capsys):
     (["data.packed_len=0"], "data.packed_len must lie in [1, inf); got 0"),
     (["model.implementation=fast"], "implementation must be one of (None, 'dense', "),
     (["model.num_decoder_layers=0"], "num_decoder_layers must be a positive int; got 0"),
+    # (found once the model was traced, naming the library's score_fn, not these keys)
+    (["model.attention_score=additive", "model.implementation=chunked"],
+     "model: attention_score='additive' is a learned alignment, which runs on "
+     "implementation='dense' (or None); got implementation='chunked'"),
 ])
 def test_bad_config_values_exit_2_with_one_line(tmp_path, capsys, overrides, message):
     argv = ["--workdir", str(tmp_path / "w"), *(a for o in overrides for a in ("--set", o))]
@@ -629,6 +633,11 @@ def test_bad_config_values_exit_2_with_one_line(tmp_path, capsys, overrides, mes
     (b"task:\n  name: copy\xff\xfe\n", "is not UTF-8 text: byte 0xff at offset"),
     (b"steps: [1\n", "is not valid YAML"),
     (b"17\n", "the config must be a mapping of sections and keys; got int 17"),
+    # yaml keeps the last silently; a merged key given again overrides it (test_toy_config)
+    (b"steps: 50\noptim:\n  b1: 0.9\nsteps: 500\n",
+     "is not valid YAML: found the key 'steps' twice in one mapping (line 4)"),
+    (b"optim: {b1: 0.9, warmup_steps: 10, b1: 0.8}\n",
+     "is not valid YAML: found the key 'b1' twice in one mapping (line 1)"),
 ])
 def test_bad_config_files_exit_2_with_one_line(tmp_path, capsys, text, message):
     path = tmp_path / "bad.yaml"

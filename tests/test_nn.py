@@ -499,6 +499,10 @@ def test_greedy_decode_matches_step_by_step_full_recomputation(rng):
         done |= token == 2
         prefix[:, i + 1] = token
     np.testing.assert_array_equal(out, prefix[:, 1:])
+    # a list, as src_lengths takes (an AttributeError had named nothing)
+    np.testing.assert_array_equal(nn.greedy_decode(model, params, np.asarray(src).tolist(),
+                                                   src_lengths.tolist(), max_len=6, bos_id=1,
+                                                   eos_id=2), out)
 
 
 def test_generate_greedy_matches_full_forward_and_sampling_uses_the_rng(rng):
@@ -521,6 +525,14 @@ def test_generate_greedy_matches_full_forward_and_sampling_uses_the_rng(rng):
     c = nn.generate(model, params, prompt, max_new_tokens=5, temperature=np.float32(1.0),
                     rng=jax.random.key(1))
     np.testing.assert_array_equal(a, c)
+    # a temperature that overflows logits / temperature in float32 (1e-39), or is 0 there
+    # (1e-300), samples the largest logit: greedy (it had sampled from inf and NaN)
+    for tiny in (1e-39, 1e-300):
+        np.testing.assert_array_equal(nn.generate(model, params, prompt, max_new_tokens=5,
+                                                  temperature=tiny, rng=jax.random.key(2)), out)
+    # a list, as prompt_lengths takes (an AttributeError had named nothing)
+    np.testing.assert_array_equal(nn.generate(model, params, np.asarray(prompt).tolist(),
+                                              max_new_tokens=5), out)
 
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])

@@ -125,6 +125,23 @@ def test_file_errors(tmp_path):
         load_config(dated)
 
 
+def test_a_key_given_twice_is_refused_and_a_merged_key_may_be_overridden(tmp_path):
+    """yaml keeps the last of two equal keys silently (`steps: 500` under a forgotten
+    `steps: 50`); an anchor's key merged in with `<<` and given again is YAML's override."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("task:\n  max_len: 8\n  min_len: 2\n  max_len: 12\n")
+    with pytest.raises(ConfigError, match=r"config .*twice.yaml is not valid YAML: found "
+                                          r"the key 'max_len' twice in one mapping \(line 4\)"):
+        load_config(twice)
+    with pytest.raises(ConfigError, match=r"--set 'optim=\{b1: 0.5, b1: 0.6\}': the value is "
+                                          r"not YAML \(found the key 'b1' twice"):
+        load_config(None, ["optim={b1: 0.5, b1: 0.6}"])
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("task: {<<: {min_len: 2, max_len: 5}, max_len: 7}\n")
+    config = load_config(merged)
+    assert (config.task.min_len, config.task.max_len) == (2, 7)
+
+
 def test_a_directory_is_no_config(tmp_path, monkeypatch):
     """A directory named as a shipped config (the workdir of `--workdir dates --config
     dates`, rerun to resume) leaves the shipped config its name; another directory is a

@@ -27,6 +27,19 @@ from attnjax import _checks, kv_cache, masks, multi_head, scores
 from attnjax.attention import dot_product_attention
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
+# the alignments with parameters of their own: the dense kernel runs them
+LEARNED_SCORES = ("general", "additive")
+
+
+def check_score(score: str, implementation: str | None, name: str = "score") -> None:
+    """A ValueError unless `score` is one of SCORES, and a learned one is asked of the
+    dense kernel (implementation None, jax.nn's "xla" or "dense"); name: the score's."""
+    if score not in SCORES:
+        raise ValueError(f"{name} must be one of {SCORES}; got {score!r}")
+    if score in LEARNED_SCORES and implementation not in (None, "xla", "dense"):
+        raise ValueError(f"{name}={score!r} is a learned alignment, which runs on "
+                         f"implementation='dense' (or None); got "
+                         f"implementation={implementation!r}")
 
 # attnjax's own fields of both module APIs, at their defaults: what attention_fn (flax's
 # signature) cannot take.
@@ -317,8 +330,7 @@ class MultiHeadDotProductAttention(nn.Module):
             bias_init=self.out_bias_init or self.bias_init, name="out")(heads)
 
     def _shapes(self, d_q: int, d_k: int, d_v: int):
-        if self.score not in SCORES:
-            raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
+        check_score(self.score, self.implementation)
         shapes = multi_head.projection_shapes(
             d_q, self.num_heads, qkv_features=self.qkv_features, out_features=self.out_features,
             num_kv_heads=self.num_kv_heads, kv_features=d_k)

@@ -14,7 +14,7 @@ import numpy as np
 
 from attnjax import _checks, masks, scores
 from attnjax.attention import IMPLEMENTATIONS as ENGINE_IMPLEMENTATIONS
-from attnjax.nn.attention import SCORES, MultiHeadAttention
+from attnjax.nn.attention import MultiHeadAttention, check_score
 from attnjax.nn.layers import ACTIVATIONS, POSITIONAL, FeedForward, PositionalEncoding
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -48,10 +48,10 @@ def _check_config(config) -> None:
         except (TypeError, ValueError) as e:
             raise ValueError(f"attention_soft_cap: {e}") from None
     for name, allowed in (("positional", POSITIONAL), ("activation", ACTIVATIONS),
-                          ("attention_score", SCORES),
                           ("dtype", DTYPES), ("implementation", IMPLEMENTATIONS)):
         if getattr(config, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}; got {getattr(config, name)!r}")
+    check_score(config.attention_score, config.implementation, "attention_score")
 
 
 def _dtype_name(dtype) -> str:

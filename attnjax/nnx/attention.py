@@ -25,10 +25,10 @@ from flax.nnx.nn.linear import default_kernel_init
 
 from attnjax import _checks, kv_cache, multi_head
 from attnjax.nn.attention import (
-    SCORES,
     alignment_of,
     alignment_params,
     check_flax_signature,
+    check_score,
     engine_attention,
     flax_attention_reason,
 )
@@ -115,8 +115,7 @@ class MultiHeadAttention(nnx.Module):
         implementation: str | None = None,
         projection_activation: Callable | tuple | None = None,
     ):
-        if score not in SCORES:
-            raise ValueError(f"score must be one of {SCORES}; got {score!r}")
+        check_score(score, implementation)
         multi_head.projection_activations(projection_activation)  # checks it
         self.in_kv_features = in_features if in_kv_features is None else in_kv_features
         shapes = multi_head.projection_shapes(

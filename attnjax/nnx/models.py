@@ -284,7 +284,15 @@ def _embedding(config, vocab_size: int, rngs) -> nnx.Embed:
 
 
 def _init_caches(model, batch_size: int, max_length: int, dtype) -> None:
-    """Size every decoding self-attention's cache and reset every position counter."""
+    """Size every decoding self-attention's cache and reset every position counter. A
+    cache longer than learned positions is refused: its tokens past them would all be
+    encoded at the last (the linen model's `init` refuses such an input)."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, PositionalEncoding) and module.kind == "learned":
+            rows = module.embedding.shape[0]
+            if max_length > rows:
+                raise ValueError(f"max_length={max_length} exceeds the model's max_len={rows} "
+                                 f"learned positions")
     for _, module in nnx.iter_modules(model):
         if isinstance(module, MultiHeadAttention) and module.decode:
             module.init_cache((batch_size, max_length, module.in_features), dtype)

@@ -66,8 +66,10 @@ from attnjax.toy.report import (
 from attnjax.toy.sequences import DecoderOnlyFormat
 from attnjax.toy.tasks import BOS, EOS
 
+# The run's resolved config, written as it begins.
+CONFIG = "config.yaml"
 # What a run leaves in its workdir; --force-new deletes these and nothing else.
-RUN_FILES = ("config.yaml", "metrics.jsonl", EVENT_FILES, "samples.txt", "attention.png",
+RUN_FILES = (CONFIG, "metrics.jsonl", EVENT_FILES, "samples.txt", "attention.png",
              "curves.png", "checkpoints", DAMAGED)
 LOCK = ".lock"
 # What an interrupted run says when it stops before its first step (`_before_training`).
@@ -153,7 +155,7 @@ def _check_workdir_config(workdir: Path, config: Config) -> None:
     another is an error, but for a larger `steps`, which continues the run (finished
     or not) to the new last step. A key the saved config lacks (written before the key
     existed) has its default."""
-    saved_path = workdir / "config.yaml"
+    saved_path = workdir / CONFIG
     advice = "use another --workdir, or --force-new to delete that run and start anew"
     if not saved_path.exists():
         checkpoints = workdir / "checkpoints"
@@ -277,7 +279,7 @@ def _begin_run(workdir: Path, config: Config, force_new: bool) -> str:
         for path in entries:
             is_dir = path.is_dir() and not path.is_symlink()
             shutil.rmtree(path) if is_dir else path.unlink(missing_ok=True)
-        _write_atomically(workdir / "config.yaml", dump_config(config))
+        _write_atomically(workdir / CONFIG, dump_config(config))
     except OSError as e:
         raise _workdir_error(workdir, e, "the run in it, if any, is as it was" if not force_new
                              else "its old run may be partly deleted") from None
@@ -485,7 +487,7 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
     finally:
         if lock is not None:
             os.close(lock)
-            if created and not (workdir / "config.yaml").exists():
+            if created and not (workdir / CONFIG).exists():
                 # the run never began: the workdir it made goes too
                 (workdir / LOCK).unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
@@ -884,11 +886,24 @@ def _leave_others_briefly(status: int, wait_s: float = 30.0) -> None:
         _leave_now(status, "")
 
 
-def _out_of_memory(error: Exception) -> int:
-    """Exit status 1 for a run whose memory ran out, said in one line."""
+def _ran_out_of_memory(error: jax.errors.JaxRuntimeError) -> bool:
+    """Whether XLA's error is memory that ran out: RESOURCE_EXHAUSTED on a GPU or TPU,
+    INTERNAL "... Out of memory allocating N bytes" on a CPU."""
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def _out_of_memory(error: Exception, workdir: Path | None) -> int:
+    """Exit status 1 for a run whose memory ran out, said in one line. Where the workdir
+    holds a run's config (this one's, written as it began), smaller sizes are another
+    config, which it refuses: the line says so."""
     said = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    elsewhere = ""
+    if workdir is not None and (workdir / CONFIG).exists():
+        elsewhere = (f" (another config: in another --workdir, or with --force-new to delete "
+                     f"the run {workdir} holds)")
     print(f"error: out of memory ({said}); lower batch_size, eval_batch_size, task.eval_size "
-          f"or the model's sizes", file=sys.stderr)
+          f"or the model's sizes{elsewhere}", file=sys.stderr)
     return 1
 
 
@@ -900,6 +915,7 @@ def main(argv=None, *, early_signals=()) -> int:
     with StopRequests(early_signals) as stop:
         args = _parser().parse_args(argv)
         overrides = args.overrides + ([f"seed={args.seed}"] if args.seed is not None else [])
+        workdir = None
         try:
             if args.seed is not None and any(o.partition("=")[0].strip() == "seed"
                                              for o in args.overrides):
@@ -927,12 +943,12 @@ def main(argv=None, *, early_signals=()) -> int:
             return 1
         except jax.errors.JaxRuntimeError as e:
             if jax.process_count() == 1:
-                if "RESOURCE_EXHAUSTED" not in str(e):
+                if not _ran_out_of_memory(e):
                     raise
-                return _out_of_memory(e)
+                return _out_of_memory(e, workdir)
             _leave_now(1, f"error: {_lost_contact(e)}")
         except MemoryError as e:   # the data on the host: a batch or held-out set too large
-            return _out_of_memory(e)
+            return _out_of_memory(e, workdir)
         except Interrupted as e:
             print(e, file=sys.stderr)
             return e.exit_status

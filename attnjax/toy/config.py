@@ -1,10 +1,10 @@
 """The training configuration: frozen dataclasses read from YAML, with dotted overrides.
 
 A config file has the sections of `Config` (task, model, data, optim) and its top-level
-fields; `load_config(path, overrides)` reads it with `yaml.safe_load`, applies
-`key.sub=value` overrides, and checks every key, type and range before anything is
-built from it. Any mistake is a `ConfigError` whose one-line message names the key,
-the value and what is allowed.
+fields; `load_config(path, overrides)` reads it with yaml's safe loader (a key given
+twice is refused), applies `key.sub=value` overrides, and checks every key, type and
+range before anything is built from it. Any mistake is a `ConfigError` whose one-line
+message names the key, the value and what is allowed.
 """
 
 import dataclasses
@@ -249,13 +249,41 @@ def _build(cls, data, prefix: str = ""):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
 
 
+class _Loader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping: yaml keeps the
+    last silently, so `steps: 500` above a forgotten `steps: 50` would train 50 steps.
+    (A key merged in with `<<` may be given again: that overrides it, as YAML means.)"""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:   # unhashable: yaml's own error says so below
+                    break
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"found the key {key!r} twice in one mapping "
+                        f"(line {key_node.start_mark.line + 1})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
 def apply_override(data: dict, override: str) -> None:
     """Sets `key.sub=value` in the nested dict `data`; the value is read as YAML."""
     key, sep, text = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set expects key.sub=value; got {override!r}")
     try:
-        value = yaml.safe_load(text)
+        value = _read_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {override!r}: the value is not YAML ({e.problem})") from None
     except (ValueError, OverflowError) as e:   # YAML's own, that its constructors refuse
@@ -313,7 +341,7 @@ def load_config(path: str | Path | None = None, overrides=()) -> Config:
     if path is not None:
         path = resolve_config(path)
         try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            data = _read_yaml(Path(path).read_text(encoding="utf-8"))
         except OSError as e:
             raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
         except UnicodeDecodeError as e:

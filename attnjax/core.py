@@ -22,7 +22,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnjax import _checks
-from attnjax.scores import _logits_dtype, scaled_dot_score
+from attnjax.scores import _logits_dtype, check_alignment, scaled_dot_score
 
 ScoreFn = Callable[[ArrayLike, Array], Array]
 
@@ -106,7 +106,7 @@ def logits(
     if score_fn is None:
         out = scaled_dot_score(q, k, scale=scale)
     else:
-        out = score_fn(q, k)
+        out = check_alignment(score_fn(q, k), q.shape[0], k.shape[0])
     acc = _logits_dtype(q.dtype)
     out = out.astype(acc)
     if bias is not None:
@@ -240,6 +240,24 @@ def _check_core(q, k, v, mask, bias, scale, score_fn) -> None:
         _checks.check_bias("bias", bias, target, "[T, S]")
 
 
+def _core_arrays(q, k, v, mask, bias, scale, score_fn):
+    """The arguments of `attention` / `attention_weights` checked, lists as arrays, and
+    the queries, keys and values that the mask hides from every query or key as zeros:
+    a NaN or inf there must not reach a valid output or gradient (0 · NaN is NaN)."""
+    q, k = _checks.as_array("q", q, True), _checks.as_array("k", k, True)
+    v = None if v is None else _checks.as_array("v", v, True)
+    mask, bias = _checks.as_array("mask", mask), _checks.as_array("bias", bias)
+    _check_core(q, k, v, mask, bias, scale, score_fn)
+    if mask is not None:
+        # [T, S]
+        seen = jnp.broadcast_to(jnp.asarray(mask), (q.shape[0], k.shape[0]))
+        # [T, 1], [S, 1]
+        rows, cols = jnp.any(seen, axis=1)[:, None], jnp.any(seen, axis=0)[:, None]
+        q, k = jnp.where(rows, q, 0), jnp.where(cols, k, 0)
+        v = None if v is None else jnp.where(cols, v, 0)
+    return q, k, v, mask, bias
+
+
 def attention_weights(
     q: Float[ArrayLike, "T _Hq"],
     k: Float[ArrayLike, "S _Hk"],
@@ -270,7 +288,7 @@ def attention_weights(
         >>> w.shape, bool(jnp.allclose(w.sum(-1), 1.0))   # [T, S], rows sum to 1
         ((5, 7), True)
     """
-    _check_core(q, k, None, mask, bias, scale, score_fn)
+    q, k, _, mask, bias = _core_arrays(q, k, None, mask, bias, scale, score_fn)
     weights = masked_softmax(logits(q, k, bias=bias, scale=scale, score_fn=score_fn), mask)
     return weights.astype(q.dtype)
 
@@ -305,6 +323,6 @@ def attention(
         >>> attnjax.attention(q, k, v).shape          # [T, V]
         (5, 32)
     """
-    _check_core(q, k, v, mask, bias, scale, score_fn)
+    q, k, v, mask, bias = _core_arrays(q, k, v, mask, bias, scale, score_fn)
     weights = masked_softmax(logits(q, k, bias=bias, scale=scale, score_fn=score_fn), mask)
     return mix_values(weights, v)

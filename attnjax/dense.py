@@ -17,7 +17,7 @@ from jaxtyping import Array, Float
 from attnjax import core
 from attnjax.masks import Mask
 from attnjax.options import Options
-from attnjax.scores import Score, _logits_dtype
+from attnjax.scores import Score, _logits_dtype, check_alignment
 
 
 def attend(
@@ -59,7 +59,7 @@ def attend(
     else:
         if visible is not None:
             q, k = jnp.where(rows[:, None], q, 0), jnp.where(cols[:, None], k, 0)
-        logits = score.align(q, k, **score.align_params).astype(acc)
+        logits = check_alignment(score.align(q, k, **score.align_params), t, s).astype(acc)
     if score.bias is not None:
         logits = logits + score.bias.astype(acc)
     if score.mod is not None and visible is not None:

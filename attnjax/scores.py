@@ -82,6 +82,7 @@ def general_score(
         ...                   score_fn=general).shape
         (5, 4)
     """
+    w = _checks.as_array("w", w)
     _checks.check_param_shape("w", w, (q.shape[-1], k.shape[-1]), "[Hq, Hk]")
     acc = _logits_dtype(q.dtype)
     # [T, Hk]
@@ -109,14 +110,19 @@ def additive_score(
         >>> scores.additive_score(jnp.ones((5, 16)), jnp.ones((7, 12)), w_q=w_q, w_k=w_k, v=v).shape
         (5, 7)
     """
-    if w_q.ndim != 2 or w_k.ndim != 2 or v.ndim != 1:
+    w_q, w_k, v = (_checks.as_array(name, x) for name, x in (("w_q", w_q), ("w_k", w_k),
+                                                              ("v", v)))
+    if np.ndim(w_q) != 2 or np.ndim(w_k) != 2 or np.ndim(v) != 1:
         raise ValueError(
             "additive_score expects w_q [Hq, A], w_k [Hk, A] and v [A]; got "
-            f"w_q {tuple(w_q.shape)}, w_k {tuple(w_k.shape)}, v {tuple(v.shape)}"
+            f"w_q {_checks.shape_str(np.shape(w_q))}, w_k {_checks.shape_str(np.shape(w_k))}, "
+            f"v {_checks.shape_str(np.shape(v))}"
         )
-    a = v.shape[0]
-    _checks.check_param_shape("w_q", w_q, (q.shape[-1], a), "[Hq, A]")
-    _checks.check_param_shape("w_k", w_k, (k.shape[-1], a), "[Hk, A]")
+    _checks.check_param_shape("w_q", w_q, (q.shape[-1], w_q.shape[1]), "[Hq, A]")
+    _checks.check_param_shape("w_k", w_k, (k.shape[-1], w_k.shape[1]), "[Hk, A]")
+    if not w_q.shape[1] == w_k.shape[1] == v.shape[0]:
+        raise ValueError(f"additive_score's w_q [Hq, A], w_k [Hk, A] and v [A] must have one "
+                         f"A; got A = {w_q.shape[1]}, {w_k.shape[1]} and {v.shape[0]}")
     acc = _logits_dtype(q.dtype)
     # [T, A]
     qa = jnp.einsum("TI,IA->TA", q, w_q.astype(q.dtype), preferred_element_type=acc)
@@ -404,6 +410,20 @@ class Score:
             return logits
         return apply_score_mod(self.mod, logits, (at.b, at.n, at.q_pos, at.k_pos),
                                self.bias is not None)
+
+
+def check_alignment(out, t: int, s: int):
+    """A learned alignment's logits, as they are; a ValueError unless they are `[T, S]`
+    (a `[T, 1]` would broadcast over the keys: every output the sum of all values), a
+    TypeError unless floating (a bool would be cast to logits of 0 and 1)."""
+    if tuple(np.shape(out)) != (t, s):
+        raise ValueError(f"the alignment score_fn(q, k) must return logits [T, S] = "
+                         f"{_checks.shape_str((t, s))}; got {_checks.shape_str(np.shape(out))}")
+    dtype = jnp.result_type(out)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"the alignment score_fn(q, k) must return floating logits; got "
+                        f"{jnp.dtype(dtype).name}")
+    return out
 
 
 def apply_score_mod(mod, logits, args, biased: bool):

@@ -142,6 +142,75 @@ def test_fully_masked_row_is_exact_zero_with_zero_gradients(rng, dtype):
     assert jnp.all(grads[0][2] == 0)  # the masked query receives no gradient
 
 
+@pytest.mark.parametrize("value", [jnp.nan, jnp.inf])
+@pytest.mark.parametrize("score_fn", [None, attnjax.dot_score])
+def test_nan_or_inf_where_the_mask_hides_a_key_or_query_reaches_nothing(rng, value, score_fn):
+    """Keys 2 and 5 hidden from every query, query 3 from every key (a mask, as a
+    padding one), hold inf in q and k and -inf in v (or NaN): the outputs, weights and
+    gradients are those of clean inputs (0 · NaN had made every output NaN)."""
+    q, k, v = _qkv(rng, jnp.float64)
+    hidden = jnp.array([2, 5])
+    mask = draws.bernoulli(rng, 0.7, (T, S), always=0).at[:, hidden].set(False).at[3].set(False)
+    bad_q, bad_k, bad_v = q.at[3].set(value), k.at[hidden].set(value), v.at[hidden].set(-value)
+
+    def outputs_and_grads(q, k, v):
+        out, pullback = jax.vjp(functools.partial(attnjax.attention, mask=mask,
+                                                  score_fn=score_fn), q, k, v)
+        weights = attnjax.attention_weights(q, k, mask=mask, score_fn=score_fn)
+        return out, weights, pullback(jnp.sin(out))
+
+    clean, dirty = outputs_and_grads(q, k, v), outputs_and_grads(bad_q, bad_k, bad_v)
+    chex.assert_tree_all_finite(dirty)
+    chex.assert_trees_all_close(dirty, clean, rtol=1e-12, atol=1e-14)
+
+
+def test_a_learned_alignment_must_return_floating_logits_of_t_by_s(rng, own_checks_only):
+    """(a [T, 1] had broadcast over the keys, every output the sum of all values; a bool
+    had been cast to logits of 0 and 1; an [S, T] had failed in an einsum)"""
+    q, k, v = _qkv(rng)
+    for fn, error, message in [
+        (lambda q, k: jnp.sum(q, -1, keepdims=True), ValueError,
+         r"score_fn\(q, k\) must return logits \[T, S\] = \[5, 7\]; got \[5, 1\]"),
+        (lambda q, k: k @ q.T, ValueError, r"= \[5, 7\]; got \[7, 5\]"),
+        (lambda q, k: q @ k.T > 0, TypeError, r"must return floating logits; got bool")]:
+        with pytest.raises(error, match=message):
+            attnjax.attention(q, k, v, score_fn=fn)
+        with pytest.raises(error, match=message):   # the batched API's alignment=
+            attnjax.dot_product_attention(q[None, :, None], k[None, :, None], v[None, :, None],
+                                          alignment=(lambda q, k, w: fn(q + 0 * w, k),
+                                                     {"w": jnp.ones((1,), q.dtype)}))
+
+
+def test_lists_are_arrays_to_the_core_and_its_alignments(rng, own_checks_only):
+    """(an AttributeError had named nothing; dot_product_attention takes lists)"""
+    q, k, v = _qkv(rng, jnp.float64)   # as the lists' Python floats become
+    w_q, w_k, a = draws.normals(rng, (H, 4), (H, 4), (4,), dtype=jnp.float64)
+    expected = attnjax.attention(q, k, v, score_fn=functools.partial(
+        attnjax.additive_score, w_q=w_q, w_k=w_k, v=a))
+    listed = functools.partial(attnjax.additive_score, w_q=w_q.tolist(), w_k=w_k.tolist(),
+                               v=a.tolist())
+    np.testing.assert_allclose(attnjax.attention(q.tolist(), k.tolist(), v.tolist(),
+                                                 score_fn=listed), expected, rtol=1e-12)
+    w = draws.normal(rng, (H, H), jnp.float64)
+    np.testing.assert_allclose(
+        attnjax.attention_weights(q, k, score_fn=functools.partial(attnjax.general_score,
+                                                                   w=w.tolist())),
+        attnjax.attention_weights(q, k, score_fn=functools.partial(attnjax.general_score, w=w)),
+        rtol=1e-12)
+
+
+def test_additive_parameters_that_disagree_on_a_are_named_together(rng, own_checks_only):
+    """(a v of the wrong length had been reported as a w_q of the wrong shape)"""
+    q, k, v = _qkv(rng)
+    for sizes in [(8, 8, 9), (9, 8, 8)]:
+        w_q, w_k, a = draws.normals(rng, (H, sizes[0]), (H, sizes[1]), (sizes[2],))
+        with pytest.raises(ValueError, match=rf"additive_score's w_q \[Hq, A\], w_k \[Hk, A\] "
+                                             rf"and v \[A\] must have one A; got A = "
+                                             rf"{sizes[0]}, {sizes[1]} and {sizes[2]}"):
+            attnjax.attention(q, k, v, score_fn=functools.partial(
+                attnjax.additive_score, w_q=w_q, w_k=w_k, v=a))
+
+
 def test_scale_with_score_fn_is_rejected(rng):
     q, k, v = _qkv(rng)
     with pytest.raises(ValueError, match="score_fn"):

@@ -97,7 +97,7 @@ def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len:
     if not isinstance(memory_cache, bool):
         raise TypeError(f"memory_cache must be a bool; got {memory_cache!r}")
     # lists too: one array each, not a pytree of numbers to trace
-    src, src_lengths = jnp.asarray(src), _as_array(src_lengths)
+    src, src_lengths = _checks.as_array("src", src), _checks.as_array("src_lengths", src_lengths)
     return _greedy_decode(model, params, src, src_lengths, max_len=int(max_len),
                           bos_id=int(bos_id), eos_id=int(eos_id), pad_id=int(pad_id),
                           memory_cache=memory_cache)
@@ -249,13 +249,14 @@ def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new
         raise ValueError(f"temperature={temperature} samples and needs an rng; got None")
     _check_lengths("prompt_lengths", prompt_lengths, b, p)
     # lists too: one array each, not a pytree of numbers to trace
-    prompt, prompt_lengths = jnp.asarray(prompt), _as_array(prompt_lengths)
+    prompt = _checks.as_array("prompt", prompt)
+    prompt_lengths = _checks.as_array("prompt_lengths", prompt_lengths)
     if padding_side not in PADDING_SIDES:
         raise ValueError(f"padding_side must be one of {PADDING_SIDES}; got {padding_side!r}")
     if padding_side == "right" and prompt_lengths is not None:
         # [B]: each row turned about so that its padding comes first, and back after
         shift = p - jnp.asarray(prompt_lengths, jnp.int32)
-        tokens = _generate(model, params, _roll_rows(prompt, shift),
+        tokens = _generate(model, params, _roll_rows(jnp.asarray(prompt), shift),
                            prompt_lengths, max_new_tokens=int(max_new_tokens),
                            temperature=float(temperature), rng=rng)
         return _roll_rows(tokens, -shift)
@@ -264,10 +265,6 @@ def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new
 
 
 PADDING_SIDES = ("left", "right")
-
-
-def _as_array(x):
-    return None if x is None else jnp.asarray(x)
 
 
 def _tokens_read(prompt_length: int, max_new_tokens: int) -> int:

@@ -657,3 +657,37 @@ def test_greedy_decode_compiles_one_decoder_step(rng):
     assert _compiled_products_outside_loops(encoder) > 0
     assert (_compiled_products_outside_loops(hlo)
             == _compiled_products_outside_loops(encoder) + 2 * config.num_decoder_layers)
+
+
+def test_decoding_refuses_packed_rows(rng, own_checks_only):
+    """A decode=True call with segment ids had failed inside the attention, naming
+    `key_ids` (an argument of attnjax.segments a model user cannot pass) for any prefill
+    shorter than the cache: packed rows are for training and scoring, and each row of a
+    cache is one sequence. Both models now refuse them, naming their own argument."""
+    generator = draws.host(int(jax.random.randint(rng, (), 0, 1 << 30)))
+    tokens = jnp.asarray(generator.integers(0, 13, (2, 5)), jnp.int32)
+    ids = jnp.asarray(np.sort(generator.integers(0, 2, (2, 5)), axis=1), jnp.int32)
+    lm = nn.DecoderOnly(nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2, d_ff=24,
+                                             num_layers=1, dropout_rate=0.0))
+    params = lm.init(rng, tokens)["params"]
+    packed = lm.apply({"params": params}, tokens, segment_ids=ids)
+    assert packed.shape == (2, 5, 13) and bool(jnp.isfinite(packed).all())
+    cache = lm.clone(decode=True).init(rng, jnp.zeros((2, 8), jnp.int32))["cache"]
+    with pytest.raises(ValueError, match=r"segment_ids packs several sequences into a row, "
+                                         r"for training and scoring; with decode=True each "
+                                         r"row of the cache is one sequence"):
+        lm.clone(decode=True).apply({"params": params, "cache": cache}, tokens,
+                                    segment_ids=ids, mutable=["cache"])
+    model = nn.Transformer(nn.TransformerConfig(
+        src_vocab_size=13, tgt_vocab_size=13, d_model=16, num_heads=2, d_ff=24,
+        num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0))
+    params = model.init(rng, tokens, tokens)["params"]
+    decoder = model.clone(decode=True)
+    cache = decoder.init(rng, tokens, jnp.zeros((2, 8), jnp.int32))["cache"]
+    memory = model.apply({"params": params}, tokens, src_segment_ids=ids,
+                         method=nn.Transformer.encode)
+    with pytest.raises(ValueError, match=r"tgt_segment_ids packs several sequences into a "
+                                         r"row.*call without tgt_segment_ids"):
+        decoder.apply({"params": params, "cache": cache}, tokens, memory,
+                      tgt_segment_ids=ids, src_segment_ids=ids,
+                      method=nn.Transformer.decode_logits, mutable=["cache"])

@@ -450,3 +450,21 @@ def test_a_refused_append_leaves_the_position_counter_as_it_was(own_checks_only)
         model(jnp.concatenate([tokens[:, 3:], tokens[:, 3:]], axis=1))
     assert int(model.embed.positions.position[...]) == 3
     np.testing.assert_allclose(model(tokens[:, 3:])[:, 0], full[:, 3], rtol=1e-5, atol=1e-5)
+
+
+def test_nnx_decoding_refuses_packed_rows(own_checks_only):
+    """As the linen models (tests/test_nn.py): a decode=True call with segment ids is
+    refused, naming the model's argument, and the cache is left as it was."""
+    config = nn.DecoderOnlyConfig(vocab_size=17, d_model=32, num_heads=4, d_ff=64,
+                                  num_layers=1, dropout_rate=0.0)
+    generator = np.random.default_rng()
+    tokens = jnp.asarray(generator.integers(0, 17, (1, 4)), jnp.int32)
+    ids = jnp.asarray(np.sort(generator.integers(0, 2, (1, 4)), axis=1), jnp.int32)
+    seed = int(generator.integers(1 << 30))
+    full = anx.DecoderOnly(config, rngs=nnx.Rngs(seed))(tokens)
+    model = anx.DecoderOnly(config, decode=True, rngs=nnx.Rngs(seed))
+    model.init_cache(1, 8)
+    with pytest.raises(ValueError, match="segment_ids packs several sequences into a row"):
+        model(tokens, segment_ids=ids)
+    assert int(model.embed.positions.position[...]) == 0
+    np.testing.assert_allclose(model(tokens), full, rtol=1e-5, atol=1e-5)

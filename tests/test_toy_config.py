@@ -28,6 +28,11 @@ def test_shipped_decoder_only_configs_load(name, pack):
     assert config.model.max_len >= 2 * config.task.max_len + 1
 
 
+def test_a_decoder_only_model_may_say_it_has_no_encoder_layers():
+    config = load_config(CONFIGS / "copy_decoder_only.yaml", ["model.num_encoder_layers=0"])
+    assert (config.model.kind, config.model.num_encoder_layers) == ("decoder_only", 0)
+
+
 def test_overrides_and_round_trip(tmp_path):
     config = load_config(CONFIGS / "copy.yaml", ["optim.learning_rate=1e-4", "steps=17",
                                                   "model.num_kv_heads=2", "task.name=sort",
@@ -81,6 +86,10 @@ def test_overrides_and_round_trip(tmp_path):
      "data.packed_len=32 must hold the task's longest example (33 tokens: source, separator "
      "and target)"),
     (["data.pack=2"], "data.pack must be bool; got 2"),
+    (["model.num_encoder_layers=0"], "model: ModelConfig.num_encoder_layers must be a "
+                                     "positive int; got 0"),
+    (["model.kind=decoder_only", "model.num_encoder_layers=-1"],
+     "model: ModelConfig.num_encoder_layers must be an int >= 0 (unused); got -1"),
     (["data.packs=true"], "unknown key data.packs; valid keys of data are pack, packed_len"),
     (["data=true"], "data must be a mapping; got True"),
     # values YAML's constructors refuse, and a float past float64's range

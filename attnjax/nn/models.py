@@ -22,10 +22,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 IMPLEMENTATIONS = (None, *ENGINE_IMPLEMENTATIONS, "xla")
 
 
-def _check_config(config) -> None:
+def _check_config(config, unused: tuple[str, ...] = ()) -> None:
+    """Every field of a model config; the fields named in `unused` may be any int >= 0."""
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if field.type in ("int", int) and not (_checks.is_int(value) and value > 0):
+        low = 0 if field.name in unused else 1
+        if field.type in ("int", int) and not (_checks.is_int(value) and value >= low):
+            if low == 0:
+                raise ValueError(f"{type(config).__name__}.{field.name} must be an int >= 0 "
+                                 f"(unused); got {value!r}")
             raise ValueError(f"{type(config).__name__}.{field.name} must be a positive int; "
                              f"got {value!r}")
         if field.type in ("bool", bool) and not isinstance(value, bool):
@@ -96,7 +101,11 @@ class BlockConfig:
     def __post_init__(self):
         # jnp.bfloat16 and "bfloat16" are one config (equal, hashable, written as a name)
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
-        _check_config(self)
+        _check_config(self, self._unused_fields())
+
+    def _unused_fields(self) -> tuple[str, ...]:
+        """Int fields this config carries but its model does not use (0 allowed)."""
+        return ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -370,9 +379,10 @@ class Transformer(nn.Module):
     src_lengths `[B]` marks source padding. For sequence packing, src_segment_ids
     `[B, S]` and tgt_segment_ids `[B, T]` (int; target segment i reads source segment i
     only) and src_positions / tgt_positions (int, restarting in each segment) place
-    several examples in one row. With decode=True, `decode` runs on a KV cache (see
-    `attnjax.nn.greedy_decode`). deterministic: as in flax, here or at the call
-    (required when the config has dropout): False applies dropout, with a "dropout" rng.
+    several examples in one row (training and scoring: with decode=True, `decode_logits`
+    runs on a KV cache of one sequence per row, see `attnjax.nn.greedy_decode`).
+    deterministic: as in flax, here or at the call (required when the config has
+    dropout): False applies dropout, with a "dropout" rng.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -419,7 +429,8 @@ class Transformer(nn.Module):
         _both("tgt_segment_ids", tgt_segment_ids, "src_segment_ids", src_segment_ids)
         check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size, tgt_positions,
                      self.decode)
-        mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids)
+        mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids,
+                                         self.decode)
         x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, embed=self.shared)
         x = self.decoder(x, memory, mask=mask, memory_mask=memory_mask, positions=tgt_positions,
                          deterministic=deterministic, sow_weights=sow_weights)
@@ -443,8 +454,9 @@ class DecoderOnly(nn.Module):
     padding_mask `[B, L]` (bool, True = a token) batches sequences of different lengths,
     left- or right-padded: nothing attends to padding, and positions count the tokens
     only, so each sequence gets the logits it gets alone (those at padding mean
-    nothing). segment_ids `[B, L]` (int) packs several sequences into a row: a token
-    sees the earlier tokens of its own segment only; positions `[B, L]` (int, restarting
+    nothing). segment_ids `[B, L]` (int) packs several sequences into a row (not with
+    decode=True: a cache row is one sequence): a token sees the earlier tokens of its own
+    segment only; positions `[B, L]` (int, restarting
     in each segment) feed the positional encoding and the causal mask. mask hides more
     keys: an `attnjax.Mask` or a bool array broadcastable to `[B, N, L, S]`, with S the
     cache length when decode=True (`attnjax.nn.generate` hides padding this way).
@@ -495,8 +507,10 @@ def source_mask(src_lengths, src_segment_ids) -> masks.Mask:
     return mask
 
 
-def target_masks(src_lengths, tgt_segment_ids, src_segment_ids) -> tuple[masks.Mask, masks.Mask]:
+def target_masks(src_lengths, tgt_segment_ids, src_segment_ids,
+                 decode: bool = False) -> tuple[masks.Mask, masks.Mask]:
     """The decoder's (self-attention, cross-attention) Masks besides causality."""
+    _whole_rows("tgt_segment_ids", tgt_segment_ids, decode)
     mask, memory_mask = masks.everything(), masks.everything()
     if src_lengths is not None:
         memory_mask = masks.lengths(key=src_lengths)
@@ -520,8 +534,17 @@ def sequence_mask(tokens, mask, padding_mask, segment_ids, positions, decode: bo
             # neighbour's position, unseen)
             positions = jnp.maximum(jnp.cumsum(padding_mask, axis=1, dtype=jnp.int32) - 1, 0)
     if segment_ids is not None:
+        _whole_rows("segment_ids", segment_ids, decode)
         visible = visible & masks.segments(segment_ids)
     return visible, positions
+
+
+def _whole_rows(name: str, segment_ids, decode: bool) -> None:
+    """Packed rows are for training and scoring: a cache decodes one sequence per row."""
+    if decode and segment_ids is not None:
+        raise ValueError(f"{name} packs several sequences into a row, for training and "
+                         f"scoring; with decode=True each row of the cache is one sequence: "
+                         f"call without {name}")
 
 
 def _check_padding_mask(padding_mask, tokens, decode: bool):

@@ -341,7 +341,8 @@ class Transformer(_Viewed, nnx.Module):
         _both("tgt_segment_ids", tgt_segment_ids, "src_segment_ids", src_segment_ids)
         check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size, tgt_positions,
                      self.decode)
-        mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids)
+        mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids,
+                                         self.decode)
         with self.tgt_embed.positions.unchanged_on_error():
             x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, rngs=rngs,
                                embed=self.shared_embedding)

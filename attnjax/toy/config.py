@@ -79,7 +79,7 @@ class ModelConfig(BlockConfig):
     kind "encoder_decoder": a `Transformer` with num_encoder_layers and
     num_decoder_layers. kind "decoder_only": a `DecoderOnly` whose num_decoder_layers
     layers read source, separator and target as one causal sequence (num_encoder_layers
-    unused). api "linen" trains the `attnjax.nn` model, "nnx" its `attnjax.nnx`
+    unused: any int >= 0). api "linen" trains the `attnjax.nn` model, "nnx" its `attnjax.nnx`
     counterpart on the same parameters (drawn by the linen model's init, so a seed gives
     the same run in either API).
     """
@@ -90,6 +90,9 @@ class ModelConfig(BlockConfig):
     num_encoder_layers: int = 2
     num_decoder_layers: int = 2
     max_len: int = 64
+
+    def _unused_fields(self) -> tuple[str, ...]:
+        return ("num_encoder_layers",) if self.kind == "decoder_only" else ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -160,7 +160,11 @@ def check_bias(name: str, bias, target: Sequence[int], layout: str) -> None:
     finite or -inf (masked): NaN or +inf would make every weight of their row NaN."""
     if not hasattr(bias, "dtype") or not jnp.issubdtype(bias.dtype, jnp.floating):
         got = getattr(bias, "dtype", type(bias).__name__)
-        raise TypeError(f"{name} must be a floating array (additive logits); got {got}")
+        hint = {"b": ": a bool array is a mask (mask=)",
+                "i": f": cast it ({name}.astype(jnp.float32))",
+                "u": f": cast it ({name}.astype(jnp.float32))"}.get(
+                    getattr(getattr(bias, "dtype", None), "kind", None), "")
+        raise TypeError(f"{name} must be a floating array (additive logits); got {got}{hint}")
     check_broadcastable(name, bias, target, layout)
     check_finite_or_minus_inf(name, bias, "masked")
 
@@ -220,7 +224,7 @@ def _window_side(w) -> int | None:
 
 def resolve_window(window) -> tuple[int, int] | None:
     """`window` as (left, right), each at most WINDOW_UNBOUNDED (a wider side is as
-    unbounded); an int w means (w, w)."""
+    unbounded); an int w means (w, w). A side may be negative (left + right >= 0)."""
     if window is None:
         return None
     if _window_side(window) is not None:
@@ -234,9 +238,13 @@ def resolve_window(window) -> tuple[int, int] | None:
                             f"which decide the kernel's blocks); got {window!r}")
         raise TypeError(f"window must be an int or a pair of ints (left, right); got {window!r}")
     left, right = sides
-    if left < 0 or right < 0:
-        raise ValueError(f"window sizes must be non-negative; got (left, right) = ({left}, {right})")
-    return min(left, WINDOW_UNBOUNDED), min(right, WINDOW_UNBOUNDED)
+    # a negative side is a window off the query's own position, as in jax.nn: (2, -1) is
+    # the two keys before it; a window of no width sees nothing
+    if left + right < 0:
+        raise ValueError(f"window (left, right) = ({left}, {right}) holds no key: query i sees "
+                         f"keys i - left .. i + right, so left + right must be >= 0")
+    return (max(min(left, WINDOW_UNBOUNDED), -WINDOW_UNBOUNDED),
+            max(min(right, WINDOW_UNBOUNDED), -WINDOW_UNBOUNDED))
 
 
 def check_dropout_rate(rate) -> float:

@@ -79,6 +79,18 @@ def append(cached_key, cached_value, index, key, value) -> Appended:
     cache index. Any T: one token, or a chunk of a prefill that then attends to everything
     cached before it (and, with a causal mask, to its own earlier tokens)."""
     cache_shape = cached_key.shape
+    if cached_value.shape[:-1] != cache_shape[:-1]:
+        expected = _checks.shape_str(cache_shape[:-1] + ("V",))
+        raise ValueError(
+            f"decode=True: the cached values must have the cached keys' batch axes, length "
+            f"and heads, [batch..., L, K, V] = {expected}; got "
+            f"{_checks.shape_str(cached_value.shape)}")
+    for name, new, cached in (("keys", key, cached_key), ("values", value, cached_value)):
+        if new.dtype != cached.dtype:
+            raise TypeError(
+                f"decode=True: the new {name} are {new.dtype} but the cache holds "
+                f"{cached.dtype}: make the cache in the keys' dtype (attnjax.nnx: "
+                f"init_cache(..., dtype={new.dtype}))")
     if key.shape[:-3] != cache_shape[:-3] or key.shape[-2:] != cache_shape[-2:]:
         expected = _checks.shape_str(cache_shape[:-3]) + " T " + _checks.shape_str(
             cache_shape[-2:])
@@ -91,22 +103,26 @@ def append(cached_key, cached_value, index, key, value) -> Appended:
             f"decode=True: new values must have the keys' batch axes, T and heads and the "
             f"cache's V, [batch..., T, K, V] = {_checks.shape_str(value_shape)}; got "
             f"{_checks.shape_str(value.shape)}")
-    if not isinstance(index, jax.core.Tracer):
-        integer_array = (hasattr(index, "dtype") and np.ndim(index) == 0
-                         and jnp.issubdtype(index.dtype, jnp.integer))
-        if not (_checks.is_int(index) or integer_array):
-            raise TypeError(f"the cache index must be an int (a slot); got {index!r}")
-        if int(index) < 0:
-            raise ValueError(f"the cache index must be >= 0 (the first free slot); got "
-                             f"{int(index)}")
+    integer_array = (hasattr(index, "dtype") and np.ndim(index) == 0
+                     and jnp.issubdtype(index.dtype, jnp.integer))
+    traced = isinstance(index, jax.core.Tracer)
+    if not (_checks.is_int(index) or integer_array):
+        got = f"a traced {index.dtype}{list(index.shape)}" if traced else repr(index)
+        raise TypeError(f"the cache index must be an int (a slot); got {got}")
+    if not traced and int(index) < 0:
+        raise ValueError(f"the cache index must be >= 0 (the first free slot); got "
+                         f"{int(index)}")
     capacity, new = cache_shape[-3], key.shape[-3]
-    start = index
-    check_room(start, new, capacity)
+    check_room(index, new, capacity)
+    # int32 whatever integer type it came as (lax's update takes one index type); a
+    # negative one, possible only traced, writes at slot 0 (check_room reports it)
+    start = jnp.maximum(jnp.asarray(index).astype(jnp.int32), 0) if traced else jnp.int32(index)
     zero = jnp.int32(0)
     at = (zero,) * (key.ndim - 3) + (start, zero, zero)
-    cached_key = lax.dynamic_update_slice(cached_key, key.astype(cached_key.dtype), at)
-    cached_value = lax.dynamic_update_slice(cached_value, value.astype(cached_value.dtype), at)
-    positions = (start + jnp.arange(new, dtype=jnp.int32), jnp.arange(capacity, dtype=jnp.int32))
+    cached_key = lax.dynamic_update_slice(cached_key, key, at)
+    cached_value = lax.dynamic_update_slice(cached_value, value, at)
+    positions = (start + jnp.arange(new, dtype=jnp.int32),
+                 jnp.arange(capacity, dtype=jnp.int32))
     return Appended(cached_key, cached_value, start + new, positions)
 
 
@@ -127,11 +143,11 @@ def check_room(start, new: int, capacity: int) -> None:
     """Appending past the cache is a ValueError at trace time when the index is known.
 
     Under jit the index is known only when the step runs, where an exception could only
-    surface as an XLA INTERNAL error: the overrun is logged instead (logger "attnjax",
-    ERROR, on stderr by default), and the write stays inside the cache (XLA clamps the
-    update to the last slots), so the step's output is finite but no longer that of
-    the sequence. Size the cache for the longest sequence. (Not checked while tracing
-    inside `sized_for_every_append`.)"""
+    surface as an XLA INTERNAL error: the overrun (or a negative index) is logged instead
+    (logger "attnjax", ERROR, on stderr by default), and the write stays inside the cache
+    (XLA clamps the update to the last slots; a negative index writes from slot 0), so
+    the step's output is finite but no longer that of the sequence. Size the cache for
+    the longest sequence. (Not checked while tracing inside `sized_for_every_append`.)"""
     message = "KV cache overrun: {} new tokens at position {} exceed the cache length {}"
     if new > capacity:   # past the cache wherever it starts: known while tracing
         raise ValueError(message.format(new, "any" if isinstance(start, jax.core.Tracer)
@@ -141,12 +157,15 @@ def check_room(start, new: int, capacity: int) -> None:
             return
 
         def report(position):
-            if int(position) + new > capacity:
+            if int(position) < 0:
+                _LOG.error(f"the cache index must be >= 0 (the first free slot); got "
+                           f"{int(position)}: the tokens were written from slot 0")
+            elif int(position) + new > capacity:
                 _LOG.error(message.format(new, int(position), capacity)
                            + "; the tokens were written over the cache's last slots")
         # the host is called only on an overrun: a callback costs ~0.5 ms on a CPU, for
         # each layer at every step (1 of the 9 ms of a dates decoding step)
-        lax.cond(start + new > capacity, lambda: jax.debug.callback(report, start),
-                 lambda: None)
+        lax.cond((start < 0) | (start + new > capacity),
+                 lambda: jax.debug.callback(report, start), lambda: None)
     elif int(start) + new > capacity:
         raise ValueError(message.format(new, int(start), capacity))

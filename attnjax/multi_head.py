@@ -131,7 +131,8 @@ def flat_fan_in_init(init, fan_in_axes: int):
     return flat_init
 
 
-def _check_params(params, inputs_q, inputs_k, inputs_v) -> None:
+def _check_params(params, inputs_q, inputs_k, inputs_v) -> dict:
+    """The four projections' kernels and biases, checked, as arrays."""
     if not isinstance(params, Mapping) or not all(
         isinstance(params.get(name), Mapping) and "kernel" in params[name]
         for name in ("query", "key", "value", "out")
@@ -141,6 +142,9 @@ def _check_params(params, inputs_q, inputs_k, inputs_v) -> None:
             "params must be {'query', 'key', 'value', 'out'}, each {'kernel'[, 'bias']} "
             f"(see init_multi_head_attention); got {got}"
         )
+    params = {name: {leaf: _checks.as_array(f"params['{name}']['{leaf}']", x, required=True)
+                     for leaf, x in params[name].items() if leaf in ("kernel", "bias")}
+              for name in ("query", "key", "value", "out")}
     q_kernel = params["query"]["kernel"]
     for name in ("query", "key", "value", "out"):
         _checks.check_rank(f"params['{name}']['kernel']", params[name]["kernel"], (3,),
@@ -171,6 +175,7 @@ def _check_params(params, inputs_q, inputs_k, inputs_v) -> None:
         if "bias" in params[name]:
             _checks.check_param_shape(f"params['{name}']['bias']", params[name]["bias"],
                                       bias_shape, bias_layout)
+    return params
 
 
 def _check_inputs(inputs_q, inputs_k, inputs_v) -> None:
@@ -355,10 +360,11 @@ def multi_head_attention(
         >>> attnjax.multi_head_attention(params, x, is_causal=True).shape   # [B, T, F]
         (2, 10, 64)
     """
-    inputs_k = inputs_q if inputs_k is None else inputs_k
-    inputs_v = inputs_k if inputs_v is None else inputs_v
+    inputs_q = _checks.as_array("inputs_q", inputs_q, required=True)
+    inputs_k = inputs_q if inputs_k is None else _checks.as_array("inputs_k", inputs_k, True)
+    inputs_v = inputs_k if inputs_v is None else _checks.as_array("inputs_v", inputs_v, True)
     _check_inputs(inputs_q, inputs_k, inputs_v)
-    _check_params(params, inputs_q, inputs_k, inputs_v)
+    params = _check_params(params, inputs_q, inputs_k, inputs_v)
     # [B, T, N, H]
     query = project_query(params, inputs_q)
     # [B, S, K, H], [B, S, K, V]

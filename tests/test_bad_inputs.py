@@ -303,11 +303,53 @@ MISTAKES = [
                              positional="learned"), decode=True,
         rngs=flax.nnx.Rngs(0)).init_cache(1, 9),
      ValueError, r"max_length=9 exceeds the model's max_len=8 learned positions"),
+    # kv_cache.append: a float index traced (lax's own TypeError before), cached values
+    # not the cached keys' shape (accepted), new keys in another dtype than the cache
+    # (cast, then refused by the attention naming the query's dtype against the key's)
+    ("append_traced_float_index", lambda: jax.jit(lambda i: kv_cache.append(
+        _zeros(1, 6, 1, 2), _zeros(1, 6, 1, 2), i, _zeros(1, 2, 1, 2), _zeros(1, 2, 1, 2)))(
+            1.5), TypeError, r"the cache index must be an int \(a slot\); got a traced float"),
+    ("append_cached_value_length", lambda: kv_cache.append(
+        _zeros(2, 6, 1, 2), _zeros(2, 5, 1, 3), 0, _zeros(2, 1, 1, 2), _zeros(2, 1, 1, 3)),
+     ValueError, r"the cached values must have the cached keys' batch axes, length and heads, "
+                 r"\[batch..., L, K, V\] = \[2, 6, 1, V\]; got \[2, 5, 1, 3\]"),
+    ("append_dtype", lambda: kv_cache.append(
+        _zeros(1, 6, 1, 2), _zeros(1, 6, 1, 2), 0, _zeros(1, 1, 1, 2).astype(jnp.bfloat16),
+        _zeros(1, 1, 1, 2).astype(jnp.bfloat16)),
+     TypeError, r"the new keys are bfloat16 but the cache holds float32: make the cache in "
+                r"the keys' dtype \(attnjax.nnx: init_cache\(..., dtype=bfloat16\)\)"),
+    ("nnx_cache_dtype", lambda: _nnx_bf16_step_on_a_float32_cache(), TypeError,
+     r"the new keys are bfloat16 but the cache holds float32: .*init_cache\(..., "
+     r"dtype=bfloat16\)"),
+    # multi_head_attention's parameters: a None bias (AttributeError before)
+    ("mha_bias_none", lambda: attnjax.multi_head_attention(
+        {**_mha_params(), "query": {**_mha_params()["query"], "bias": None}}, q[..., 0, :]),
+     TypeError, r"params\['query'\]\['bias'\] must be an array, or a list of numbers of one "
+                r"shape; got NoneType"),
+    # a bias that is not floating (jax.nn adds any dtype): named with what to pass instead
+    ("bias_int", lambda: dpa(q, k, v, bias=draws.randint(8, (T, S), -3, 3)), TypeError,
+     r"bias must be a floating array \(additive logits\); got int32: cast it "
+     r"\(bias.astype\(jnp.float32\)\)"),
+    ("bias_bool", lambda: dpa(q, k, v, bias=draws.randint(9, (T, S), 0, 2) > 0), TypeError,
+     r"bias must be a floating array \(additive logits\); got bool: a bool array is a mask "
+     r"\(mask=\)"),
     ("query_none", lambda: dpa(None, k, v),
      TypeError, r"query must be an array, or a list of numbers of one shape; got NoneType"),
     ("value_str", lambda: dpa(q, k, "abc"),
      TypeError, r"value must be an array, or a list of numbers of one shape; got str abc"),
 ]
+
+
+def _nnx_bf16_step_on_a_float32_cache():
+    layer = attnjax.nnx.MultiHeadAttention(2, H, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                           decode=True, rngs=flax.nnx.Rngs(0))
+    layer.init_cache((B, T, H))   # float32, init_cache's default
+    return layer(q[:, :1, 0].astype(jnp.bfloat16))
+
+
+@functools.cache
+def _mha_params():
+    return attnjax.init_multi_head_attention(jax.random.key(7), H, 2)
 
 
 def _apply_decoder_float():
@@ -405,3 +447,47 @@ def test_token_ids_outside_the_vocabulary_under_jit_embed_as_zeros_never_nan():
         assert np.all(np.isfinite(x))
         np.testing.assert_array_equal(x, logits[0])
     assert not np.allclose(logits[0], apply(jnp.array([[3, 12, 5]], jnp.int32)))
+
+
+@pytest.mark.parametrize("make_index", [int, np.uint32, np.int8, np.int64, jnp.asarray],
+                         ids=["int", "uint32", "int8", "int64", "jax_array"])
+def test_a_cache_index_of_any_integer_type_writes_its_slot(make_index):
+    """lax's update takes one index type: an index other than int32 (a Python int or a
+    NumPy/jax int64 under x64, a uint32, an int8) had failed with lax's TypeError."""
+    cached = draws.normals(3, (2, 6, 1, 3), (2, 6, 1, 5))
+    new = draws.normals(4, (2, 2, 1, 3), (2, 2, 1, 5))
+    for append in (kv_cache.append, jax.jit(kv_cache.append)):
+        out = append(*cached, make_index(3), *new)
+        assert int(out.index) == 5 and out.index.dtype == jnp.int32
+        for got, was, put in zip((out.key, out.value), cached, new):
+            np.testing.assert_array_equal(got[:, 3:5], put)
+            np.testing.assert_array_equal(got[:, :3], was[:, :3])
+            np.testing.assert_array_equal(got[:, 5:], was[:, 5:])
+
+
+def test_a_negative_traced_cache_index_is_logged_and_writes_from_slot_0(caplog):
+    """(lax wrapped it: index -1 wrote the token into the last slot, silently, and the
+    filled length came back 0)"""
+    cached = draws.normals(5, (1, 4, 1, 2), (1, 4, 1, 2))
+    new = draws.normals(6, (1, 1, 1, 2), (1, 1, 1, 2))
+    with caplog.at_level("ERROR", logger="attnjax"):
+        out = jax.jit(kv_cache.append)(*cached, -1, *new)
+        jax.block_until_ready(out)
+        jax.effects_barrier()
+    assert "the cache index must be >= 0 (the first free slot); got -1" in caplog.text
+    np.testing.assert_array_equal(out.key[:, :1], new[0])
+    np.testing.assert_array_equal(out.key[:, 1:], cached[0][:, 1:])
+    assert int(out.index) == 1
+
+
+def test_multi_head_attention_takes_lists():
+    """Inputs and parameters as nested lists, as the other functions take them (an
+    AttributeError before)."""
+    params = _mha_params()
+    x = np.asarray(q[..., 0, :])
+    listed = {name: {leaf: np.asarray(a).tolist() for leaf, a in p.items()}
+              for name, p in params.items()}
+    arrays = {name: {leaf: jnp.asarray(a) for leaf, a in p.items()}
+              for name, p in listed.items()}
+    np.testing.assert_array_equal(attnjax.multi_head_attention(listed, x.tolist()),
+                                  attnjax.multi_head_attention(arrays, jnp.asarray(x.tolist())))

@@ -73,6 +73,10 @@ CASES = [
                                             key_value_seq_lengths=_lengths(seed + 1, S)), False),
     ("window_int_causal", T, T, lambda seed: dict(local_window_size=2, is_causal=True), False),
     ("window_pair", T, T, lambda seed: dict(local_window_size=(3, 1)), True),
+    # a negative side, as jax.nn takes it: the two keys before the query, or the three
+    # after it (both had been refused)
+    ("window_strictly_past", T, T, lambda seed: dict(local_window_size=(2, -1)), False),
+    ("window_ahead", T, T, lambda seed: dict(local_window_size=(-1, 3)), True),
     ("top_left_fewer_queries", T, S, lambda seed: dict(is_causal=True,
                                                        causal_alignment="top_left"), False),
     ("top_left_more_queries", S, T, lambda seed: dict(

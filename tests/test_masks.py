@@ -574,6 +574,26 @@ def test_block_classes_of_one_position_rule_are_exact(rule, t, s, block_q, block
     _check_classes(table, truth, block_q, block_k, exact=True)
 
 
+@pytest.mark.parametrize("tree", [("window", 2, -1),
+                                  ("and", ("window", -1, 3), ("lengths", "key")),
+                                  ("or", ("window", 4, -3), ("causal",))])
+def test_a_window_with_a_negative_side_equals_the_reference(tree):
+    """A window off the query's own position, as jax.nn takes it ((2, -1): the two keys
+    before it; both had been refused): dense and chunked (blocks of 4 by 5, so that
+    whole blocks are skipped and whole ones unmasked) equal the reference, and one such
+    window's block classes are exact."""
+    case = dict(shape=(2, 13, 17, 2, 1), tree=tree, positions="offset", mod=None,
+                sinks=False, blocks=(4, 5), seed=len(str(tree)))
+    _compare(case)
+    node = tree if tree[0] == "window" else tree[1]
+    q_pos = np.arange(13, dtype=np.int32) + np.array([[7], [0]], np.int32)
+    k_pos = np.arange(17, dtype=np.int32) + np.array([[0], [3]], np.int32)
+    truth = _reference_grid(node, 2, 1, 13, 17, q_pos, k_pos)
+    [(_, table)] = _per_head([masks.window(*node[1:])], 2, 1, 13, 17,
+                             (jnp.asarray(q_pos), jnp.asarray(k_pos)), (4, 5))
+    _check_classes(table, truth, 4, 5, exact=True)
+
+
 # --------------------------------------------------------------------------------------
 # The algebra of & and |.
 
@@ -717,8 +737,9 @@ MISTAKES = [
     ("lengths_float", lambda: _attend(mask=_plain(masks.lengths)(
         key=jnp.array([1.0, 2.0], jnp.float32))),
      TypeError, r"key lengths must have an integer dtype; got float32"),
-    ("window_negative", lambda: masks.window(-1, 2), ValueError,
-     r"window sizes must be non-negative; got \(left, right\) = \(-1, 2\)"),
+    ("window_empty", lambda: masks.window(-1, 0), ValueError,
+     r"window \(left, right\) = \(-1, 0\) holds no key: query i sees keys i - left .. "
+     r"i \+ right, so left \+ right must be >= 0"),
     ("array_float", lambda: _attend(mask=_plain(masks.from_array)(jnp.ones((9, 11), jnp.float32))),
      TypeError, r"mask must be boolean .*float32"),
     ("array_shape", lambda: _attend(mask=masks.from_array(jnp.ones((9, 12), bool))), ValueError,

@@ -108,6 +108,7 @@ _OFFSETS = jnp.asarray(np.asarray([[3], [11]]) + np.arange(24), jnp.int32)
 
 @pytest.mark.parametrize("ring_kwargs, dense_kwargs", [
     (dict(mask=masks.window(3, 2)), dict(window=(3, 2))),
+    (dict(mask=masks.window(7, -2)), dict(window=(7, -2))),      # keys 7..2 back only
     (dict(mask=masks.causal() | masks.prefix(7)),                 # prefix-LM, zig-zag
      dict(mask=masks.causal() | masks.prefix(7))),
     (dict(mask=masks.chunked_causal(5), positions=_OFFSETS),      # chunks follow the offset
@@ -116,7 +117,8 @@ _OFFSETS = jnp.asarray(np.asarray([[3], [11]]) + np.arange(24), jnp.int32)
           positions=_OFFSETS),
      dict(is_causal=True, mask=masks.from_fn(lambda b, n, qp, kp: (qp + kp) % 3 != 1),
           positions=(_OFFSETS, _OFFSETS))),
-], ids=["window", "prefix_lm", "chunked_causal_offset", "causal_from_fn_offset"])
+], ids=["window", "window_behind", "prefix_lm", "chunked_causal_offset",
+        "causal_from_fn_offset"])
 def test_position_rules_equal_dense(rng, ring_kwargs, dense_kwargs):
     q, k, v, d_out = _inputs(rng, 24, 24, 3, 1, 4, 6)
     attend = functools.partial(ring.ring_self_attention, mesh=_mesh(), **ring_kwargs)

@@ -86,6 +86,9 @@ def test_overrides_and_round_trip(tmp_path):
      "data.packed_len=32 must hold the task's longest example (33 tokens: source, separator "
      "and target)"),
     (["data.pack=2"], "data.pack must be bool; got 2"),
+    # a row length without packing (was checked against the examples, or ignored)
+    (["data.packed_len=40"], "data.packed_len=40 applies only with data.pack=true (null when "
+                             "not packing)"),
     (["model.num_encoder_layers=0"], "model: ModelConfig.num_encoder_layers must be a "
                                      "positive int; got 0"),
     (["model.kind=decoder_only", "model.num_encoder_layers=-1"],

@@ -91,6 +91,25 @@ def test_decoder_only_loss_counts_target_tokens_only(float32):
     np.testing.assert_allclose(loss, -(target * log_p[rows, cols]).sum() / len(rows), rtol=1e-5)
 
 
+def test_a_batch_without_target_tokens_has_loss_0_not_nan(float32):
+    """(0 / 0 made the loss, the accuracy and every gradient NaN; the trainer never
+    draws such a batch, a caller of loss_and_metrics may)"""
+    config = load_config(None, ["model.kind=decoder_only", "model.d_model=32",
+                                "model.num_heads=2", "model.d_ff=48", "task.max_len=9"])
+    task = make_task(config.task)
+    model = training.make_model(config, task)
+    batch = DecoderOnlyFormat(task).rows(task.sample(np.random.default_rng(), 5))
+    params = jax.jit(model.init)(jax.random.key(3), batch.tokens)["params"]
+    unlabelled = batch._replace(labels=np.full_like(batch.labels, PAD))
+    loss, metrics = _loss_and_metrics(params, unlabelled, model, 0.1)
+    assert (float(loss), float(metrics["accuracy"]), float(metrics["tokens"])) == (0.0, 0.0, 0.0)
+    grads = jax.jit(jax.grad(training.loss_and_metrics, has_aux=True),
+                    static_argnums=(2, 3))(params, unlabelled, model, 0.1)[0]
+    assert all(bool(jnp.all(g == 0)) for g in jax.tree.leaves(grads))
+    labelled, _ = _loss_and_metrics(params, batch, model, 0.1)
+    assert float(labelled) > 0.5
+
+
 def test_schedules():
     cosine = jax.jit(training.learning_rate_schedule(
         OptimConfig(learning_rate=2e-3, warmup_steps=10, end_learning_rate=1e-5), 100))

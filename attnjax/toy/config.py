@@ -189,6 +189,9 @@ class Config:
             raise ConfigError(f"data.pack=true needs model.kind=decoder_only (the encoder–decoder "
                               f"trains on unpacked rows); got model.kind={self.model.kind}")
         packed_len = self.data.packed_len
+        if packed_len is not None and not self.data.pack:
+            raise ConfigError(f"data.packed_len={packed_len} applies only with data.pack=true "
+                              f"(null when not packing)")
         if packed_len is not None and packed_len < src_len + tgt_len + 1:
             raise ConfigError(f"data.packed_len={packed_len} must hold the task's longest example "
                               f"({src_len + tgt_len + 1} tokens: source, separator and target)")

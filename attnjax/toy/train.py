@@ -227,7 +227,7 @@ def loss_and_metrics(params, batch: TrainBatch, model,
     """Label-smoothed cross-entropy averaged over the target tokens (eos included; pad
     and, for the decoder-only model, the prompt excluded); dropout when an rng is given.
     metrics["tokens"] counts those target tokens: the same for an example wherever it
-    sits, packed or not."""
+    sits, packed or not. A batch without target tokens has loss and accuracy 0."""
     deterministic = rng is None
     # [B, L, V], [B, L]
     logits, labels = _logits_and_labels(model, params, batch, deterministic=deterministic,
@@ -236,9 +236,10 @@ def loss_and_metrics(params, batch: TrainBatch, model,
     weights = (labels != PAD).astype(jnp.float32)
     smoothed = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
     tokens = weights.sum()
-    loss = (optax.softmax_cross_entropy(logits, smoothed) * weights).sum() / tokens
+    counted = jnp.maximum(tokens, 1.0)   # (no target token: 0, not 0 / 0)
+    loss = (optax.softmax_cross_entropy(logits, smoothed) * weights).sum() / counted
     correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
-    return loss, {"loss": loss, "accuracy": correct / tokens, "tokens": tokens}
+    return loss, {"loss": loss, "accuracy": correct / counted, "tokens": tokens}
 
 
 class NnxForward:

@@ -21,7 +21,6 @@ one decoding step (T=1, causal) against a 32,768-token cache, chunked against de
 time and temporary memory.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -34,7 +33,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnjax  # noqa: E402
 from attnjax import masks, scores  # noqa: E402
-from _timing import median_times  # noqa: E402
+from _timing import Parser, median_times, multiple_of, positive_int  # noqa: E402
+from _timing import run as run_main  # noqa: E402
 
 B, N, H = 1, 8, 64
 # Runs whose compiled temporaries exceed this are reported for memory only.
@@ -224,11 +224,11 @@ def print_engine(gemm: float, repeats: int, long_t: int, mid_t: int, cache: int)
     documents, unmasked = document_masking(long_t, repeats)
     print(f"- document masking, causal within 8 equal segments, T=S={long_t}, forward: "
           f"{documents * 1e3:.1f} ms against {unmasked * 1e3:.1f} ms unmasked non-causal: "
-          f"{unmasked / documents:.2f}× faster")
+          f"{unmasked / documents:.2f}× its speed")
     for pass_name, (plain, capped, gemm_now) in soft_cap_cost(mid_t, repeats).items():
         rate = 4 * B * N * mid_t * mid_t * H * (1.0 if pass_name == "fwd" else 3.5) / plain / 1e9
         print(f"- soft_cap(30), T=S={mid_t}, {pass_name}: {capped * 1e3:.1f} ms against "
-              f"{plain * 1e3:.1f} ms plain: +{100 * (capped / plain - 1):.1f}%; plain at "
+              f"{plain * 1e3:.1f} ms plain: {100 * (capped / plain - 1):+.1f}%; plain at "
               f"{rate:.1f} GFLOP/s = {100 * rate / gemm:.0f}% of the GEMM rate above, "
               f"{100 * rate / gemm_now:.0f}% of a GEMM timed interleaved with it "
               f"({gemm_now:.1f} GFLOP/s)")
@@ -241,10 +241,12 @@ def print_engine(gemm: float, repeats: int, long_t: int, mid_t: int, cache: int)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="T = S in {256, 1024}, 3 repeats")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--sizes", type=int, nargs="+", help="T = S values to time")
+    parser.add_argument("--repeats", type=positive_int, default=None)
+    parser.add_argument("--sizes", type=multiple_of(8), nargs="+",
+                        help="T = S values to time (multiples of 8); the engine's figures "
+                             "then at the largest")
     parser.add_argument("--engine", action="store_true",
                         help="only the GEMM rate and the masks / score_mod / decoding figures")
     args = parser.parse_args()
@@ -265,11 +267,14 @@ def main() -> None:
         print()
         print(f"causal speed-up, attnjax auto forward at T=S={t}, interleaved: non-causal "
               f"{full * 1e3:.1f} ms, causal {causal * 1e3:.1f} ms, ratio {ratio:.2f}")
-    if args.quick:
+    if args.sizes:
+        t = max(args.sizes)
+        print_engine(gemm, repeats, long_t=t, mid_t=t, cache=4 * t)
+    elif args.quick:
         print_engine(gemm, repeats, long_t=2048, mid_t=1024, cache=4096)
     else:
         print_engine(gemm, repeats, long_t=8192, mid_t=4096, cache=32768)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,7 +25,6 @@ memory alone (its starting cache and its steps: what the cache can shorten); the
 tokens in all six (checked), timed interleaved (median of --repeats rounds).
 """
 
-import argparse
 import functools
 import os
 import statistics
@@ -43,7 +42,8 @@ from attnjax.toy import make_task  # noqa: E402
 from attnjax.toy import train as training  # noqa: E402
 from attnjax.toy.config import load_config  # noqa: E402
 from attnjax.toy.tasks import BOS, EOS, PAD  # noqa: E402
-from _timing import median_times  # noqa: E402
+from _timing import Parser, median_times, positive_int  # noqa: E402
+from _timing import run as run_main  # noqa: E402
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens"))
@@ -63,9 +63,9 @@ def generate_without_cache(model, params, prompt, *, max_new_tokens: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser = Parser(__doc__)
+    parser.add_argument("--tokens", type=positive_int, default=256)
+    parser.add_argument("--repeats", type=positive_int, default=7)
     parser.add_argument("--dates-only", action="store_true",
                         help="only the encoder–decoder's cross-attention cache")
     parser.add_argument("--layer-only", action="store_true",
@@ -268,4 +268,4 @@ def dates_memory_cache(repeats: int, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

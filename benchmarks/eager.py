@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnjax  # noqa: E402
-from _timing import median_times  # noqa: E402
+from _timing import Parser, median_times, positive_int  # noqa: E402
+from _timing import run as run_main  # noqa: E402
 
 SHAPE = (2, 128, 4, 32)
 FNS = {"attnjax": attnjax.dot_product_attention, "jax.nn": jax.nn.dot_product_attention}
@@ -39,8 +40,8 @@ def first_call(name: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=41)
+    parser = Parser(__doc__)
+    parser.add_argument("--repeats", type=positive_int, default=41)
     parser.add_argument("--first-call", choices=list(FNS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first_call:
@@ -62,4 +63,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

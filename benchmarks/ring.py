@@ -35,7 +35,6 @@ import os
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]).strip()
 
-import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -49,7 +48,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import attnjax  # noqa: E402
-from _timing import median_times  # noqa: E402
+from _timing import Parser, median_times, positive_int  # noqa: E402
+from _timing import run as run_main  # noqa: E402
 from attnjax import masks  # noqa: E402
 from attnjax.nn import DecoderOnly, DecoderOnlyConfig  # noqa: E402
 from attnjax.nn.attention import attention_engine  # noqa: E402
@@ -67,14 +67,18 @@ def temp_mib(fn, args, **jit_kwargs) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--length", type=int, default=16384)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = Parser(__doc__)
+    parser.add_argument("--length", type=positive_int, default=16384,
+                        help="T = S, a multiple of 8 (two chunks a device on 4 devices)")
+    parser.add_argument("--heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--only-balance", action="store_true",
                         help="the balance and per-device memory tables only")
     args = parser.parse_args()
+    if args.length % 8:
+        parser.error(f"argument --length: must be a multiple of 8 (two chunks a device on 4 "
+                     f"devices); got {args.length}")
     t, n, h = args.length, args.heads, args.head_dim
     devices = jax.devices()[:4]
     mesh = Mesh(np.asarray(devices), ("seq",))
@@ -120,7 +124,7 @@ def main():
             ring_mib = temp_mib(wrap(ring(case)), inputs, **kwargs)
             dense_mib = temp_mib(wrap(single(case, "dense")), inputs, **kwargs)
             print(f"| {case} | {name} | {ring_mib:.1f} MiB | {dense_mib:.1f} MiB | "
-                  f"{dense_mib / ring_mib:.0f}× less |", flush=True)
+                  f"{dense_mib / ring_mib:.2f} |", flush=True)
 
     print("\n| mask | ring forward, 4 devices | chunked forward, 1 device | ring / chunked |")
     print("|---|---:|---:|---:|")
@@ -199,8 +203,8 @@ def balance(q, k, v, d_out, mesh, repeats: int):
         paths[layout] = steps.max(axis=0).sum()
         table = "; ".join(" ".join(f"{x * 1e3:.0f}" for x in row) for row in steps)
         print(f"| {layout} | {table} | {paths[layout] * 1e3:.0f} ms |", flush=True)
-    print(f"\nbalanced ring {paths['contiguous'] / paths['zigzag']:.2f}× faster than the "
-          f"plain ring on devices of their own")
+    print(f"\nbalanced ring: {paths['contiguous'] / paths['zigzag']:.2f}× the plain ring's "
+          f"speed on devices of their own (> 1: faster)")
     print(f"forward wall clock / sum of slowest: plain "
           f"{walls['fwd']['contiguous'] / paths['contiguous']:.2f}, balanced "
           f"{walls['fwd']['zigzag'] / paths['zigzag']:.2f} (about 1: the emulated devices "
@@ -277,4 +281,4 @@ def packed_ids(length: int, documents: int):
                        jnp.int32)
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

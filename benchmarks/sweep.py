@@ -13,7 +13,6 @@ is slower is marked, and the last line counts them. --quick leaves out the two
 largest shapes and takes 7 rounds.
 """
 
-import argparse
 import itertools
 import os
 import sys
@@ -24,7 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnjax  # noqa: E402
-from _timing import median_times  # noqa: E402
+from _timing import Parser, median_times, positive_int  # noqa: E402
+from _timing import run as run_main  # noqa: E402
 
 # (B, T, S, N, K, H): training steps and prefills, T = S
 TRAINING = [(4, 32, 32, 4, 4, 32), (64, 16, 16, 4, 4, 16), (8, 100, 100, 8, 8, 64),
@@ -71,8 +71,8 @@ def timed(shape, dtype, mask, backward, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=None)
+    parser = Parser(__doc__)
+    parser.add_argument("--repeats", type=positive_int, default=None)
     parser.add_argument("--quick", action="store_true",
                         help="without the two largest shapes, 7 rounds")
     args = parser.parse_args()
@@ -96,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

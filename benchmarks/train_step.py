@@ -20,7 +20,6 @@ the seconds it took to lower and compile (the causal steps close over flax's con
 causal mask, as a flax user's do).
 """
 
-import argparse
 import contextlib
 import functools
 import os
@@ -43,7 +42,8 @@ from attnjax.parallel import mesh as mesh_lib  # noqa: E402
 from attnjax.toy import make_task  # noqa: E402
 from attnjax.toy import train as training  # noqa: E402
 from attnjax.toy.config import load_config  # noqa: E402
-from _timing import median_times  # noqa: E402
+from _timing import Parser, median_times, positive_int  # noqa: E402
+from _timing import run as run_main  # noqa: E402
 
 # the module, not the function of the same name that attnjax exports
 attention_module = sys.modules["attnjax.attention"]
@@ -85,12 +85,15 @@ def attention_step(module_cls, shape, causal: bool, dtype=jnp.float32):
 
 
 def _as_array(mask, positions, b: int, t: int, s: int):
-    """An `attnjax.Mask` as the bool `[B, 1, T, S]` array a flax user passes: the
-    keys that get weight when every logit is equal."""
-    q, k = jnp.zeros((b, t, 1, 1), jnp.float32), jnp.zeros((b, s, 1, 1), jnp.float32)
-    _, weights = attnjax.dot_product_attention(q, k, k, mask=mask, positions=positions,
-                                               return_weights=True)
-    return weights > 0
+    """An `attnjax.Mask` as the bool `[B, 1, T, S]` array a flax user passes, from the
+    rule's own comparisons of indices and positions (what flax's `make_attention_mask`
+    and `make_causal_mask` compute), not from an attention call."""
+    bound = mask.bind(masks.Shape(b, t, s, 1), positions)
+    # [B, ...]: each example's own slice of the rule's arrays
+    per_example = jax.tree.map(lambda x: jnp.broadcast_to(x, (b, 1) + x.shape[2:])[:, 0],
+                               bound)
+    grid = jax.vmap(lambda rule: rule.visible(rule.coords(0, t, 0, s)))(per_example)
+    return grid[:, None]
 
 
 class FlaxAttention(fnn.MultiHeadDotProductAttention):
@@ -153,17 +156,20 @@ def copy_model_step(attention_cls):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(__doc__)
     # A step of a few ms varies by tens of percent call to call on a small VM (page
     # faults, caches): the median of 21 moved the smallest size's ratio by up to 15%
     # from run to run.
-    parser.add_argument("--repeats", type=int, default=101)
+    parser.add_argument("--repeats", type=positive_int, default=101)
     parser.add_argument("--only-model", action="store_true", help="time the whole copy-model step only")
-    parser.add_argument("--max-length", type=int, default=SHAPES[-1][1],
+    parser.add_argument("--max-length", type=positive_int, default=SHAPES[-1][1],
                         help="time only the shapes of at most this T (default: all)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the attention layers' computation dtype (the copy model: float32)")
     args = parser.parse_args()
+    if args.max_length < SHAPES[0][1] and not args.only_model:
+        parser.error(f"argument --max-length: the shortest shape has T = {SHAPES[0][1]}; got "
+                     f"{args.max_length} (--only-model times the copy model alone)")
     dtype = jnp.dtype(args.dtype)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, {dtype}; "
           f"median of {args.repeats} interleaved steps ({long_repeats(args.repeats)} at T = 4096)")
@@ -215,4 +221,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -6,7 +6,6 @@ float32, B=2, T=S=512, N=8, H=64, forward only, one process, median of the repea
 after warm-up, the two interleaved call by call.
 """
 
-import argparse
 import os
 import sys
 
@@ -15,12 +14,13 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnjax  # noqa: E402
-from _timing import median_times  # noqa: E402
+from _timing import Parser, median_times, positive_int  # noqa: E402
+from _timing import run as run_main  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=41)
+    parser = Parser(__doc__)
+    parser.add_argument("--repeats", type=positive_int, default=41)
     args = parser.parse_args()
     b, t, n, h = 2, 512, 8, 64
     keys = jax.random.split(jax.random.key(0), 3)
@@ -33,11 +33,11 @@ def main() -> None:
     times = median_times(fns, (q, k, v), repeats=args.repeats)
     print(f"device: {jax.devices()[0].device_kind}, B={b} T=S={t} N={n} H={h} float32, "
           f"forward, median of {args.repeats}")
-    print("| implementation | ms | ratio to jax.nn |")
+    print("| implementation | ms | speed-up: jax.nn ms / ms |")
     print("|---|---:|---:|")
     for name, seconds in times.items():
-        print(f"| {name} | {seconds * 1e3:.2f} | {seconds / times['jax.nn']:.3f} |")
+        print(f"| {name} | {seconds * 1e3:.2f} | {times['jax.nn'] / seconds:.2f}× |")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -21,6 +21,7 @@ import argparse
 import functools
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +36,10 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # run from a clone, installed or not
 
+sys.path.insert(0, str(ROOT / "benchmarks"))   # their command-line helpers
 import attnjax  # noqa: E402
+from _timing import Parser, positive_int  # noqa: E402
+from _timing import run as run_main  # noqa: E402
 from attnjax import scores  # noqa: E402
 from attnjax.nn.attention import alignment_params  # noqa: E402
 
@@ -96,27 +100,34 @@ def part_a() -> dict:
     return results
 
 
+def part_b_config(task_name: str, score: str, head_dim: int, steps: int, d_model: int,
+                  eval_size: int):
+    """The toy trainer's config of one run of (b) (a ConfigError if it cannot be)."""
+    from attnjax.toy.config import load_config
+
+    return load_config(None, [
+        f"task.name={task_name}", "task.num_symbols=10", "task.min_len=1",
+        "task.max_len=8", f"task.eval_size={eval_size}",
+        f"model.d_model={d_model}", f"model.num_heads={max(d_model // head_dim, 1)}",
+        f"model.d_ff={2 * d_model}", "model.num_encoder_layers=1",
+        "model.num_decoder_layers=1", "model.max_len=16",
+        "model.dropout_rate=0.0", f"model.attention_score={score}",
+        "optim.learning_rate=3e-3", "optim.warmup_steps=50", "batch_size=64",
+        f"steps={steps}", "seed=0"])
+
+
 def part_b(tasks, steps: int, d_model: int, head_dims, eval_size: int) -> dict:
     """{(task, score, head_dim): (exact match, token accuracy, final loss)}."""
     from attnjax.parallel import mesh as mesh_lib
     from attnjax.toy import make_task
     from attnjax.toy import train as training
-    from attnjax.toy.config import load_config
 
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     results = {}
     for task_name in tasks:
         for score in SCORES:
             for head_dim in head_dims:
-                config = load_config(None, [
-                    f"task.name={task_name}", "task.num_symbols=10", "task.min_len=1",
-                    "task.max_len=8", f"task.eval_size={eval_size}",
-                    f"model.d_model={d_model}", f"model.num_heads={d_model // head_dim}",
-                    f"model.d_ff={2 * d_model}", "model.num_encoder_layers=1",
-                    "model.num_decoder_layers=1", "model.max_len=16",
-                    "model.dropout_rate=0.0", f"model.attention_score={score}",
-                    "optim.learning_rate=3e-3", "optim.warmup_steps=50", "batch_size=64",
-                    f"steps={steps}", "seed=0"])
+                config = part_b_config(task_name, score, head_dim, steps, d_model, eval_size)
                 task = make_task(config.task)
                 model = training.make_model(config, task)
                 optimizer = training.make_optimizer(config.optim, config.steps)
@@ -209,17 +220,38 @@ def write_table(a: dict, b: dict, tasks, head_dims, args, path: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default="reverse,sort")
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--head-dims", default="16,256")
-    parser.add_argument("--eval-size", type=int, default=500)
+    parser = Parser(__doc__)
+    parser.add_argument("--tasks", default="reverse,sort", help="toy tasks, comma-separated")
+    parser.add_argument("--steps", type=positive_int, default=400)
+    parser.add_argument("--d-model", type=positive_int, default=256)
+    parser.add_argument("--head-dims", default="16,256",
+                        help="d_k values, comma-separated, each dividing --d-model")
+    parser.add_argument("--eval-size", type=positive_int, default=500)
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     args = parser.parse_args()
     tasks = args.tasks.split(",")
-    head_dims = [int(d) for d in args.head_dims.split(",")]
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        head_dims = [positive_int(d) for d in args.head_dims.split(",")]
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"argument --head-dims: {e}")
+    for head_dim in head_dims:
+        if args.d_model % head_dim:
+            parser.error(f"argument --head-dims: each must divide --d-model={args.d_model}; "
+                         f"got {head_dim}")
+    # every run of (b) checked before (a) takes its minutes
+    from attnjax.toy.config import ConfigError
+    for task_name in tasks:
+        for score in SCORES:
+            try:
+                part_b_config(task_name, score, head_dims[0], args.steps, args.d_model,
+                              args.eval_size)
+            except ConfigError as e:
+                parser.error(f"argument --tasks: {e}")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out).close()
+    except OSError as e:
+        parser.error(f"argument --out: cannot write there ({e.strerror or e})")
     start = time.perf_counter()
     a = part_a()
     print(f"(a) done in {time.perf_counter() - start:.0f} s", flush=True)
@@ -231,4 +263,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -403,6 +403,33 @@ def _two_processes_training(workdir: Path) -> list[subprocess.Popen]:
     return processes
 
 
+def test_processes_given_different_commands_stop_before_writing_anything(tmp_path):
+    """Process 1 given a seed and a workdir of its own: the run had trained a mix of the
+    two seeds that config.yaml called seed 0 (a model of another size: a collective
+    that blamed the network; a workdir of its own: a hang no signal ended, in the first
+    save). Both processes now exit 2 with one line naming what differs, before anything
+    is written."""
+    own = tmp_path / "own"
+    processes = children.processes_of_one_run(
+        tmp_path / "run", TINY, own_args={1: ["--seed", "1", "--workdir", str(own)]},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        outcomes = [p.communicate(timeout=120) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    for i, (p, (_, err)) in enumerate(zip(processes, outcomes)):
+        assert p.returncode == 2, err[-3000:]
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+        assert lines[0].startswith("error: the processes of this run were given different "
+                                   f"--workdir, seed (this is process {i}, with --workdir="), \
+            lines[0]
+        assert lines[0].endswith("start every process with the same --config, --set, --seed, "
+                                 "--workdir and --mesh"), lines[0]
+    assert not (tmp_path / "run").exists() and not own.exists()
+
+
 def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path):
     """Process 1 of two is killed mid-training: process 0 stops at its next step (not
     after jax.distributed's shutdown barrier gives up and aborts it), exit status 1, with

@@ -226,6 +226,29 @@ def test_a_failed_checkpoint_save_is_said_once(tmp_path, monkeypatch, caplog):
     assert echoes(caplog) == []
 
 
+def test_a_save_that_fails_in_a_collective_says_so(tmp_path, monkeypatch, caplog):
+    """A save that another process of the run left (gloo's all-gather finding the peer
+    gone) is a CheckpointError marked collective, which the trainer reports as lost
+    contact with the other processes (it had blamed the checkpoint); a full disk is not."""
+    _failing(monkeypatch, "async_serialize_from_host", ValueError(
+        "UNKNOWN: Gloo AllGather failed: [gloo/transport/tcp/pair.cc:534] Connection closed "
+        "by peer [127.0.0.1]:41234"))
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=3)
+    with caplog.at_level(logging.INFO), pytest.raises(CheckpointError) as failure:
+        checkpoints.save(2, {"w": jnp.asarray(np.random.default_rng().normal(size=(3, 5)),
+                                              jnp.float32)}, {"step": 2})
+    checkpoints.close()
+    assert failure.value.collective and "Gloo AllGather failed" in str(failure.value)
+    _failing(monkeypatch, "async_serialize_from_host",
+             OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    checkpoints = Checkpoints(tmp_path / "other", keep=3)
+    with caplog.at_level(logging.INFO), pytest.raises(CheckpointError) as failure:
+        checkpoints.save(2, {"w": jnp.asarray(np.random.default_rng().normal(size=(3, 5)),
+                                              jnp.float32)}, {"step": 2})
+    checkpoints.close()
+    assert not failure.value.collective
+
+
 def test_a_checkpoint_that_does_not_restore_is_said_once(tmp_path, monkeypatch, caplog):
     """A checkpoint of another model (a hand-edited config.yaml, another run's files):
     restore raises one CheckpointError, without orbax's reads in flight each reporting

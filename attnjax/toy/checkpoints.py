@@ -46,7 +46,25 @@ logging.getLogger("absl").addFilter(_not_preemption_echo)
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or an intact one does not restore."""
+    """A checkpoint could not be written, or an intact one does not restore. collective:
+    the save failed in a collective between processes (another process stopped or
+    cannot be reached), not in the files."""
+
+    def __init__(self, message: str, collective: bool = False):
+        super().__init__(message)
+        self.collective = collective
+
+
+def _in_a_collective(error: BaseException) -> bool:
+    """error (or one it was raised from) is a failed collective between processes:
+    jax's runtime error, or the one orbax passes on from its sync of the processes."""
+    while error is not None:
+        if isinstance(error, jax.errors.JaxRuntimeError) or any(
+                word in str(error) for word in ("Gloo", "NCCL", "Connection closed by peer",
+                                                "Connection reset by peer")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _one_line(error: Exception) -> str:
@@ -215,9 +233,10 @@ class Checkpoints:
             except Exception as e:  # whatever orbax or the file system raises: one line
                 failure = (f"cannot save the checkpoint of step {step} in {self.directory}: "
                            f"{_one_line(e)}")
+                collective = _in_a_collective(e)
                 outcome.failed = True
             gc.collect()   # the failed save's tasks, while their echoes are dropped
-        raise CheckpointError(failure)
+        raise CheckpointError(failure, collective)
 
     def latest_intact(self) -> int | None:
         """The newest step whose files match its manifest."""

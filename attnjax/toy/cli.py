@@ -35,6 +35,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import jax
@@ -601,14 +602,18 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
     except TrainingDiverged as e:
         raise TrainingDiverged(f"{e}; training stopped. Last good checkpoint: "
                                f"{kept()}") from None
-    except (OSError, CheckpointError) as e:
+    except (OSError, CheckpointError, jax.errors.JaxRuntimeError) as e:
+        # a collective that another process left (a save's included), or a file
+        lost = ((getattr(e, "collective", False) or isinstance(e, jax.errors.JaxRuntimeError))
+                and jax.process_count() > 1)
+        if lost:
+            raise ProcessLost(f"{_lost_contact(e)}; training stopped at step {step}. Last "
+                              f"good checkpoint: {kept()}; start every process again to "
+                              f"resume") from None
+        if isinstance(e, jax.errors.JaxRuntimeError):
+            raise
         raise RunFailed(f"{e}; training stopped at step {step}. Last good checkpoint: "
                         f"{kept()}") from None
-    except jax.errors.JaxRuntimeError as e:
-        if jax.process_count() == 1:
-            raise
-        raise ProcessLost(f"{_lost_contact(e)}; training stopped at step {step}. Last good "
-                          f"checkpoint: {kept()}; start every process again to resume") from None
     finally:
         checkpoints.close()
         for closing in (progress, metrics):
@@ -786,6 +791,33 @@ def _initialize_distributed(args, stop: StopRequests) -> None:
           stop)
 
 
+def _check_processes_agree(config: Config, workdir: Path, mesh, num_processes) -> None:
+    """Every process of a run must be given the same command: a config, workdir, mesh or
+    process count of its own would train a run of no one config (a --seed of its own),
+    or stop in a collective that blames the network (a model of another size), or hang
+    in the first checkpoint's save (a workdir of its own). Compared by one collective
+    of a hash per setting, before anything is written: a ConfigError in every process,
+    naming the settings that differ."""
+    if not (jax.distributed.is_initialized() and jax.process_count() > 1):
+        return
+    settings = {**{key: repr(value) for key, value in
+                   _flatten(dataclasses.asdict(config)).items()},
+                "--workdir": str(Path(workdir).absolute()),
+                "--mesh": repr(dict(mesh.shape)), "--num-processes": repr(num_processes)}
+    names = sorted(settings)
+    # [P, settings]: int32, as jax's default integers are
+    hashes = np.array([zlib.crc32(settings[name].encode()) - 2**31 for name in names],
+                      np.int32)
+    every = np.asarray(multihost_utils.process_allgather(hashes))
+    differ = [name for i, name in enumerate(names) if len(set(every[:, i])) > 1]
+    if differ:
+        raise ConfigError(f"the processes of this run were given different "
+                          f"{', '.join(differ)} (this is process {jax.process_index()}, with "
+                          f"{', '.join(f'{n}={settings[n]}' for n in differ)}): start every "
+                          f"process with the same --config, --set, --seed, --workdir and "
+                          f"--mesh")
+
+
 def _check_port_free(port: int) -> None:
     """Process 0 serves jax.distributed on every address at port; a port another
     program listens on made jax's service end in a segmentation fault (a port this user
@@ -931,6 +963,7 @@ def main(argv=None, *, early_signals=()) -> int:
                                           mesh_lib.parse_mesh(args.mesh))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            _check_processes_agree(config, workdir, mesh, args.num_processes)
             summary = run(config, workdir, mesh=mesh, force_new=args.force_new, stop=stop)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -11,7 +11,10 @@ from attnjax.toy import DatesTask, SequenceTask, make_task
 from attnjax.toy.config import TaskConfig
 from attnjax.toy import dates
 from attnjax.toy.dates import FIRST_DAY, FORMATS, LAST_DAY, format_date
+from attnjax.toy import tasks
+from attnjax.toy.report import write_samples
 from attnjax.toy.tasks import BOS, EOS, PAD, SPECIALS
+from attnjax.toy.train import accuracies
 
 TASKS = {
     "copy": lambda: SequenceTask("copy", 7, 3, 11),
@@ -77,7 +80,9 @@ def test_deterministic_per_seed(name):
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_held_out_set_is_disjoint_from_training(name):
     task = TASKS[name]()
-    train = task.sample(np.random.default_rng(1), 20000)
+    # (enough draws that training meets nearly every short source: 625 of length 4 in
+    # sort's, each in 1 of 16 lengths)
+    train = task.sample(np.random.default_rng(1), 40000)
     held = task.sample(np.random.default_rng(2), 2000, held=True)
     key = (lambda s, t: tuple(t)) if name == "dates" else (lambda s, t: tuple(s))
     train_keys = {key(s, t) for s, t in _rows(train)}
@@ -91,6 +96,41 @@ def test_held_out_set_is_disjoint_from_training(name):
     assert task.min_len < task.split_len <= task.max_len and short
     assert len(short & train_keys) > 0.9 * len(short)
     assert not (train_keys & held_keys) - short
+
+
+@pytest.mark.parametrize("num_symbols, max_len", [(10, 16), (31, 16), (7, 30), (2, 12)])
+def test_both_sides_of_the_split_keep_uniform_lengths(num_symbols, max_len):
+    """Short sources (shared) had been kept whatever their side: 59% of the default copy
+    task's held-out set had 1 or 2 symbols. And an even num_symbols + 1 had pushed a
+    short source's first symbols off its 64-bit key: with 31 symbols every source of
+    length 3 was held out (training never saw one), lengths 4 to 7 one in five."""
+    task = SequenceTask("copy", num_symbols, 1, max_len)
+    seed = np.random.default_rng().integers(1 << 30)
+    for held in (True, False):
+        lengths = task.sample(np.random.default_rng([seed, held]), 300 * max_len,
+                              held=held).src_lengths
+        counts = np.bincount(lengths, minlength=max_len + 1)[1:]
+        assert counts.min() > 0.75 * 300 and counts.max() < 1.25 * 300, (held, counts)
+    symbols, lengths = task._draw(np.random.default_rng(seed), 200_000)
+    held_out = tasks.held_out(task._keys(symbols, lengths))
+    for length in range(task.split_len, max_len + 1):
+        share = held_out[lengths == length].mean()
+        assert 0.07 < share < 0.13, (length, share)
+
+
+def test_samples_mark_what_exact_match_counts(tmp_path):
+    """samples.txt had marked "ok" a prediction without its eos, or with a bos inside (the
+    decoded strings leave pad, bos and eos out), which exact match counts wrong."""
+    task = SequenceTask("copy", 10, 3, 6)
+    batch = task.sample(np.random.default_rng(), 3, held=True)
+    predictions = batch.tgt_out.copy()
+    n = batch.src_lengths
+    predictions[1, n[1]] = PAD                                      # no eos
+    predictions[2] = np.concatenate([[BOS], batch.tgt_out[2, :-1]])  # a bos first
+    write_samples(tmp_path / "samples.txt", task, batch, predictions)
+    marks = re.findall(r"\((ok|WRONG)\)", (tmp_path / "samples.txt").read_text())
+    assert marks == ["ok", "WRONG", "WRONG"]
+    assert accuracies(predictions, batch.tgt_out)["exact_match"] == pytest.approx(1 / 3)
 
 
 def _iso(task, ids) -> datetime.date:

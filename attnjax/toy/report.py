@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from attnjax.toy.tasks import exact_matches
+
 # Keys of a metrics record that measure wall time; everything else is reproducible.
 TIMING_KEYS = ("elapsed_s", "tokens_per_s", "eval_s")
 
@@ -191,11 +193,13 @@ def write_samples(path: Path, task, batch, predictions: np.ndarray, count: int =
     join = "" if task.name == "dates" else " "
     vocab = task.tgt_vocab if vocab is None else vocab
     lines = []
+    # the mark of exact match (the decoded strings leave out pad, bos and eos)
+    right = exact_matches(np.asarray(predictions), np.asarray(batch.tgt_out))
     for i in range(min(count, len(batch.src))):
         source = task.src_vocab.decode(batch.src[i], join=join)
         prediction = vocab.decode(predictions[i], join=join)
         target = task.tgt_vocab.decode(batch.tgt_out[i], join=join)
-        mark = "ok" if prediction == target else "WRONG"
+        mark = "ok" if right[i] else "WRONG"
         lines += [f"source:     {source}", f"prediction: {prediction}  ({mark})",
                   f"target:     {target}", ""]
     Path(path).write_text("\n".join(lines))

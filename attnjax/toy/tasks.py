@@ -9,7 +9,8 @@ disjoint from everything training can see, not only drawn from another seed.
 The one exception is short sequences, too few to split: with 10 symbols there are only
 10 sources of length 1, and holding one out would test a pattern no example of its
 length ever showed. Sources with fewer than `MIN_SPLIT` possible sequences of their
-length are shared by training and the held-out set.
+length are shared by training and the held-out set, each drawn for either at the split's
+own rate, so that both keep the uniform distribution of lengths.
 """
 
 import dataclasses
@@ -67,6 +68,24 @@ class Batch(typing.NamedTuple):
     tgt_out: np.ndarray
 
 
+def exact_matches(predictions: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """`[B]` bool: each prediction equals its target at every target token and the eos
+    (what follows, pad in the target, is not compared)."""
+    valid = targets != PAD
+    return ((predictions == targets) | ~valid).all(axis=-1)
+
+
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijection of uint64 words that spreads every bit over
+    all of them (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * _MIX[0]
+    x = (x ^ (x >> np.uint64(27))) * _MIX[1]
+    return x ^ (x >> np.uint64(31))
+
+
 def held_out(keys: np.ndarray) -> np.ndarray:
     """`[B]` bool: whether each example, identified by a uint64 key, is held out."""
     mixed = (keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
@@ -108,11 +127,12 @@ class SequenceTask:
         self.split_len = next(n for n in range(1, 64) if num_symbols ** n >= MIN_SPLIT)
 
     def _keys(self, symbols: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """`[B]` uint64 identity of each source (wrapping arithmetic: a hash)."""
-        base = np.uint64(len(self.src_vocab.symbols) + 1)
-        keys = lengths.astype(np.uint64)
+        """`[B]` uint64 identity of each source: its length and symbols, each mixed into
+        all 64 bits (keys * base + symbol had pushed the first symbols off the word for
+        an even base: with 31 symbols every source of length 3 was held out)."""
+        keys = _mix(lengths.astype(np.uint64))
         for j in range(self.max_len):
-            keys = keys * base + np.where(j < lengths, symbols[:, j] + 1, 0).astype(np.uint64)
+            keys = _mix(keys + np.where(j < lengths, symbols[:, j] + 1, 0).astype(np.uint64))
         return keys
 
     def _draw(self, rng: np.random.Generator, size: int):
@@ -126,7 +146,11 @@ class SequenceTask:
         count = 0
         while count < size:
             symbols, lengths = self._draw(rng, max(size, 64) * (HELD_OUT_ONE_IN if held else 2))
-            keep = (held_out(self._keys(symbols, lengths)) == held) | (lengths < self.split_len)
+            # a short source goes to either side at the split's rate (kept whatever its
+            # side, short lengths had been ten times as common in the held-out set)
+            by_chance = rng.random(len(lengths)) * HELD_OUT_ONE_IN < 1
+            keep = np.where(lengths < self.split_len, by_chance,
+                            held_out(self._keys(symbols, lengths))) == held
             chosen_symbols.append(symbols[keep])
             chosen_lengths.append(lengths[keep])
             count += int(keep.sum())

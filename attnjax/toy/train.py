@@ -42,7 +42,7 @@ from attnjax.nn import (
 from attnjax.parallel import mesh as mesh_lib
 from attnjax.toy import sequence_parallel
 from attnjax.toy.sequences import DecoderOnlyFormat, Sequences
-from attnjax.toy.tasks import BOS, EOS, PAD, Batch
+from attnjax.toy.tasks import BOS, EOS, PAD, Batch, exact_matches
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 # A training batch: the task's (laid out for a "seq" mesh axis with its positions), or
@@ -376,4 +376,4 @@ def accuracies(predictions: np.ndarray, targets: np.ndarray) -> dict:
     valid = targets != PAD
     right = (predictions == targets) & valid
     return {"token_accuracy": float(right.sum() / valid.sum()),
-            "exact_match": float(np.mean(right.sum(1) == valid.sum(1)))}
+            "exact_match": float(np.mean(exact_matches(predictions, targets)))}

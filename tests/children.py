@@ -40,14 +40,16 @@ def free_port() -> int:
 
 
 def processes_of_one_run(workdir: Path, overrides: list[str], count: int = 2,
-                         own_args: dict | None = None, **popen) -> list[subprocess.Popen]:
+                         own_args: dict | None = None, env: dict | None = None,
+                         **popen) -> list[subprocess.Popen]:
     """The training command (train_toy.py --workdir workdir --set ...) as processes 0 to
     count - 1 of one run, one device each, gloo on 127.0.0.1; `popen` for their output.
-    own_args: {process id: arguments of that process alone, after the others}."""
+    own_args: {process id: arguments of that process alone, after the others}; env:
+    variables to set besides `environment`'s."""
     port = free_port()
     settings = [arg for o in overrides for arg in ("--set", o)]
     return [subprocess.Popen(
         [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(workdir),
          "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(count), "--process-id",
-         str(i), *settings, *(own_args or {}).get(i, [])], env=environment(1), text=True,
+         str(i), *settings, *(own_args or {}).get(i, [])], env=environment(1, **(env or {})), text=True,
         **popen) for i in range(count)]

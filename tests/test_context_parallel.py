@@ -27,7 +27,7 @@ from attnjax.toy import cli, make_task, sequence_parallel
 from attnjax.toy import train as training
 from attnjax.toy.config import ConfigError, dump_config, load_config
 from tests import children, draws, training_run
-from tests.numerics import as_users_run
+from tests.numerics import USERS_RANDOM_BITS, as_users_run, users_random_bits
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
                                 "sets --xla_force_host_platform_device_count=4)")
@@ -214,7 +214,7 @@ def _config(model: str):
 @pytest.fixture(scope="module")
 def one_device():
     """Losses of one-device runs of each model."""
-    with as_users_run():
+    with as_users_run(), users_random_bits():
         one = children.one_device_mesh()
         return {model: training_run.losses(_config(model), one) for model in MODELS}
 
@@ -229,7 +229,8 @@ def test_seq_sharded_training_equals_one_device(one_device, float32, model):
     assert tokens.sharding.spec == jax.sharding.PartitionSpec("data", "seq")
     assert {s.data.shape for s in tokens.addressable_shards} == {
         (4, tokens.shape[1] // 2)}
-    losses = training_run.losses(config, mesh)
+    with users_random_bits():
+        losses = training_run.losses(config, mesh)
     assert len(losses) == 20 and losses[-1] < losses[0]
     np.testing.assert_allclose(losses, one_device[model], rtol=1e-5, atol=0)
 
@@ -255,7 +256,7 @@ def test_two_processes_match_one_device(tmp_path, one_device):
     config = tmp_path / "config.yaml"
     config.write_text(dump_config(_config("decoder_only_packed")), encoding="utf-8")
     port = children.free_port()
-    env = children.environment(2)
+    env = children.environment(2, **USERS_RANDOM_BITS)
     processes = [subprocess.Popen(
         [sys.executable, "-m", "tests.training_run", str(config), "data=2,seq=2",
          f"127.0.0.1:{port}", "2", str(i)],

@@ -19,7 +19,7 @@ from attnjax.toy import cli, make_task
 from attnjax.toy import train as training
 from attnjax.toy.config import load_config
 from tests import children, training_run
-from tests.numerics import as_users_run
+from tests.numerics import USERS_RANDOM_BITS, as_users_run, users_random_bits
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest "
                                 "sets --xla_force_host_platform_device_count=4)")
@@ -49,14 +49,15 @@ def _losses(workdir: Path) -> np.ndarray:
 def one_device():
     """Losses of a one-device run of 50 steps (the loss of every step, as a run with
     log_every=1 logs them; no evaluation, checkpoints or files)."""
-    with as_users_run():
+    with as_users_run(), users_random_bits():
         return training_run.losses(config(50), children.one_device_mesh())
 
 
 @pytest.mark.parametrize("shape", [{"data": 4}, {"data": 2, "model": 2}])
 def test_sharded_training_matches_one_device(tmp_path, one_device, float32, shape):
     mesh = mesh_lib.make_mesh(shape, jax.devices()[:4])
-    cli.run(config(50), tmp_path, mesh=mesh, interactive=False)
+    with users_random_bits():
+        cli.run(config(50), tmp_path, mesh=mesh, interactive=False)
     losses = _losses(tmp_path)
     assert len(losses) == 50 and losses[-1] < losses[0]
     np.testing.assert_allclose(losses, one_device, rtol=0, atol=1e-5)
@@ -110,7 +111,7 @@ def test_mesh_errors():
 def test_two_processes_match_one_process(tmp_path, one_device):
     processes = children.processes_of_one_run(
         tmp_path, PARALLEL + ["steps=50", "eval_every=50", "checkpoint_every=20"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        env=USERS_RANDOM_BITS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         outputs = [p.communicate(timeout=240)[0] for p in processes]
     finally:

@@ -28,11 +28,9 @@ def _check_config(config, unused: tuple[str, ...] = ()) -> None:
         value = getattr(config, field.name)
         low = 0 if field.name in unused else 1
         if field.type in ("int", int) and not (_checks.is_int(value) and value >= low):
-            if low == 0:
-                raise ValueError(f"{type(config).__name__}.{field.name} must be an int >= 0 "
-                                 f"(unused); got {value!r}")
-            raise ValueError(f"{type(config).__name__}.{field.name} must be a positive int; "
-                             f"got {value!r}")
+            wanted = "an int >= 0 (unused)" if low == 0 else "a positive int"
+            raise ValueError(f"{type(config).__name__}.{field.name} must be {wanted}; got "
+                             f"{value!r}")
         if field.type in ("bool", bool) and not isinstance(value, bool):
             raise ValueError(f"{type(config).__name__}.{field.name} must be a bool (True or "
                              f"False); got {value!r}")

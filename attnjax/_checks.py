@@ -247,12 +247,23 @@ def resolve_window(window) -> tuple[int, int] | None:
             max(min(right, WINDOW_UNBOUNDED), -WINDOW_UNBOUNDED))
 
 
-def check_dropout_rate(rate) -> float:
+def check_dropout_rate(rate, *, module: bool = False) -> float:
+    """A dropout rate in [0, 1); a module's may be 1 (flax's modules take it), as long
+    as the module runs deterministic (`check_module_dropout`)."""
     if not isinstance(rate, (int, float, np.floating, np.integer)) or isinstance(rate, bool):
         raise TypeError(f"dropout_rate must be a Python number; got {type(rate).__name__}")
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must lie in [0, 1); got {rate}")
+    if not (0.0 <= rate <= 1.0 if module else 0.0 <= rate < 1.0):
+        raise ValueError(f"dropout_rate must lie in {'[0, 1]' if module else '[0, 1)'}; "
+                         f"got {rate}")
     return float(rate)
+
+
+def check_module_dropout(rate: float) -> float:
+    """The rate of a module about to drop weights (not deterministic)."""
+    if rate == 1.0:
+        raise ValueError("dropout_rate=1.0 drops every attention weight: a module with it "
+                         "runs only with deterministic=True")
+    return rate
 
 
 def check_dropout(rate, rng) -> float:

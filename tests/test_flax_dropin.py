@@ -611,6 +611,24 @@ def test_mistakes_are_named_errors(call, error, message):
         call()
 
 
+def test_dropout_rate_one_runs_deterministic_as_in_flax_and_is_refused_dropping(rng):
+    """flax's module takes dropout_rate=1.0 and drops nothing when deterministic; dropping
+    every weight (flax: 0/0, NaN) is a named error."""
+    fields = dict(num_heads=N, qkv_features=QKV, dropout_rate=1.0)
+    flax_mha, ours = _pair(**fields)
+    x, y = _x(rng, B1, T, D), _x(jax.random.fold_in(rng, 1), B1, S, D)
+    with as_users_run():
+        variables = _perturbed(flax_mha.init(jax.random.key(1), x, y, deterministic=True), rng)
+        expected = flax_mha.apply(variables, x, y, deterministic=True)
+    got = _jit(ours.apply, variables, x, y, deterministic=True)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"dropout_rate=1.0 drops every attention weight.*"
+                                         r"deterministic=True"):
+        ours.apply(variables, x, y, deterministic=False, rngs={"dropout": rng})
+    with pytest.raises(ValueError, match=r"dropout_rate must lie in \[0, 1\]; got 1.5"):
+        ours.clone(dropout_rate=1.5).apply(variables, x, y, deterministic=True)
+
+
 def test_decoding_another_batch_than_the_cache_is_a_named_error(rng):
     module = nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=QKV, decode=True)
     variables = _jit(module.init, rng, _x(rng, B1, B2, T, D))

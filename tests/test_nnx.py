@@ -255,6 +255,19 @@ def test_flax_errors():
         anx.models.FeedForward(D, 8, activation="silu", rngs=nnx.Rngs(0))
 
 
+def test_dropout_rate_one_runs_deterministic_as_in_flax_and_is_refused_dropping(inputs):
+    x, y = inputs
+    flax_mha, ours = _pair(0, num_heads=4, in_features=D, in_kv_features=DKV,
+                           dropout_rate=1.0)
+    with as_users_run():
+        expected = flax_mha(x, y, deterministic=True)
+    np.testing.assert_allclose(_call(ours, x, y, deterministic=True), expected, atol=ATOL)
+    with pytest.raises(ValueError, match=r"dropout_rate=1.0 drops every attention weight"):
+        ours(x, y, deterministic=False)
+    with pytest.raises(ValueError, match=r"dropout_rate must lie in \[0, 1\]; got 1.5"):
+        anx.MultiHeadAttention(4, D, dropout_rate=1.5, rngs=nnx.Rngs(0))
+
+
 def test_attnjax_fields_match_the_linen_module(inputs):
     """num_kv_heads, is_causal, window, score, sinks, score_mod: the nnx module and the
     linen one on the same parameters compute the same function."""

@@ -298,11 +298,11 @@ class MultiHeadDotProductAttention(nn.Module):
         if cached is not None:  # not the sizing call of `init`
             key, value = cached[:2]
 
-        _checks.check_dropout_rate(self.dropout_rate)
+        _checks.check_dropout_rate(self.dropout_rate, module=True)
         dropout_rate = 0.0
         if self.dropout_rate > 0.0 and not nn.merge_param(
                 "deterministic", self.deterministic, deterministic):
-            dropout_rate = self.dropout_rate
+            dropout_rate = _checks.check_module_dropout(self.dropout_rate)
             if dropout_rng is None:
                 dropout_rng = self.make_rng("dropout")
 

@@ -130,7 +130,7 @@ class MultiHeadAttention(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.broadcast_dropout = broadcast_dropout
-        _checks.check_dropout_rate(dropout_rate)
+        _checks.check_dropout_rate(dropout_rate, module=True)
         self.dropout_rate = dropout_rate
         self.deterministic = deterministic
         self.precision = precision
@@ -256,6 +256,7 @@ class MultiHeadAttention(nnx.Module):
                 error_msg="No `deterministic` argument was provided to MultiHeadAttention "
                           "as either a __call__ argument, class attribute, or nnx.flag.")
             if not deterministic:
+                _checks.check_module_dropout(self.dropout_rate)
                 if rngs is None:
                     raise ValueError("'rngs' must be provided to __call__ method if "
                                      "MultiHeadAttention instance is defined with "

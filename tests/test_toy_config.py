@@ -3,9 +3,11 @@
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from attnjax.toy.config import Config, ConfigError, dump_config, load_config
+from attnjax.toy.config import (Config, ConfigError, DataConfig, OptimConfig, TaskConfig,
+                                 dump_config, load_config)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -170,3 +172,27 @@ def test_a_directory_is_no_config(tmp_path, monkeypatch):
 def test_configs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Config().steps = 3
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: TaskConfig(num_symbols=2.5), r"^task.num_symbols must be int; got 2.5$"),
+    (lambda: Config(steps="5"), r"^steps must be int; got '5'$"),
+    (lambda: DataConfig(pack=1), r"^data.pack must be bool; got 1$"),
+    (lambda: OptimConfig(schedule=None), r"^optim.schedule must be str; got None$"),
+    (lambda: Config(task={"name": "copy"}), r"^task must be a TaskConfig; got \{'name': 'copy'\}$"),
+])
+def test_a_config_built_in_python_has_its_types_checked_as_a_file_s(build, message,
+                                                                   own_checks_only):
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_a_config_built_in_python_takes_numbers_as_a_file_gives_them(own_checks_only):
+    config = Config(task=TaskConfig(num_symbols=np.int64(5)),
+                    optim=OptimConfig(learning_rate=1, b1=np.float32(0.5)))
+    assert type(config.task.num_symbols) is int and config.task.num_symbols == 5
+    assert type(config.optim.learning_rate) is float and config.optim.learning_rate == 1.0
+    assert type(config.optim.b1) is float and config.optim.b1 == 0.5
+    # the same config as the file's
+    assert config == load_config(None, ["task.num_symbols=5", "optim.learning_rate=1",
+                                        "optim.b1=0.5"])

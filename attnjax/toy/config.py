@@ -9,6 +9,7 @@ message names the key, the value and what is allowed.
 
 import dataclasses
 import math
+import numbers
 import reprlib
 import types
 import typing
@@ -52,6 +53,44 @@ def _check_range(key: str, value, low, high, *, low_open: bool = False,
         raise ConfigError(f"{key} must lie in {interval}; got {value!r}")
 
 
+def _check_type(value, kind, key: str):
+    """`value` as the field type `kind` (int, float, bool, str or an optional of one)."""
+    allowed = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    if value is None and type(None) in allowed:
+        return None
+    for t in allowed:
+        if t is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            try:
+                return float(value)
+            except OverflowError:   # an int of 400 digits
+                raise ConfigError(f"{key} must be a float within float64's range; got an "
+                                  f"integer of {len(str(abs(value)))} digits") from None
+        if t is float and isinstance(value, str):
+            try:  # YAML 1.1 reads 1e-3 (no dot) as a string
+                return float(value)
+            except ValueError:
+                pass
+        if t is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)   # numpy's ints too
+        if t in (bool, str) and isinstance(value, t):
+            return value
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"{key} must be {names}; got {value!r}")
+
+
+def _check_fields(config, prefix: str) -> None:
+    """Every field's type, for a config built in Python as for one read from a file
+    (`_build`): an int where a float is asked becomes that float."""
+    for field in dataclasses.fields(config):
+        value, key = getattr(config, field.name), prefix + field.name
+        if dataclasses.is_dataclass(field.type):
+            if not isinstance(value, field.type):
+                raise ConfigError(f"{key} must be a {field.type.__name__}; got "
+                                  f"{reprlib.repr(value)}")
+        else:
+            object.__setattr__(config, field.name, _check_type(value, field.type, key))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     """Which task, and for copy/reverse/sort the symbols and the source lengths."""
@@ -63,6 +102,7 @@ class TaskConfig:
     eval_size: int = 2000
 
     def __post_init__(self):
+        _check_fields(self, "task.")
         if self.name not in TASKS:
             raise ConfigError(f"task.name must be one of {TASKS}; got {self.name!r}")
         _check_range("task.num_symbols", self.num_symbols, 2, MAX_SYMBOLS)
@@ -109,6 +149,7 @@ class DataConfig:
     packed_len: int | None = None
 
     def __post_init__(self):
+        _check_fields(self, "data.")
         if self.packed_len is not None:
             _check_range("data.packed_len", self.packed_len, 1, None)
 
@@ -128,6 +169,7 @@ class OptimConfig:
     label_smoothing: float = 0.1
 
     def __post_init__(self):
+        _check_fields(self, "optim.")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"optim.schedule must be one of {SCHEDULES}; got "
                               f"{self.schedule!r}")
@@ -160,6 +202,7 @@ class Config:
     seed: int = 0
 
     def __post_init__(self):
+        _check_fields(self, "")
         for name in ("steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
                      "keep_checkpoints", "eval_batch_size"):
             if getattr(self, name) <= 0:
@@ -202,31 +245,6 @@ def task_lengths(task: TaskConfig) -> tuple[int, int]:
     if task.name == "dates":
         return DatesTask.src_len, DatesTask.tgt_len
     return task.max_len, task.max_len
-
-
-def _check_type(value, kind, key: str):
-    """`value` as the field type `kind` (int, float, bool, str or an optional of one)."""
-    allowed = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
-    if value is None and type(None) in allowed:
-        return None
-    for t in allowed:
-        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                return float(value)
-            except OverflowError:   # an int of 400 digits
-                raise ConfigError(f"{key} must be a float within float64's range; got an "
-                                  f"integer of {len(str(abs(value)))} digits") from None
-        if t is float and isinstance(value, str):
-            try:  # YAML 1.1 reads 1e-3 (no dot) as a string
-                return float(value)
-            except ValueError:
-                pass
-        if t is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if t in (bool, str) and isinstance(value, t):
-            return value
-    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-    raise ConfigError(f"{key} must be {names}; got {value!r}")
 
 
 def _build(cls, data, prefix: str = ""):

@@ -338,11 +338,21 @@ def test_the_command_line_keeps_compiled_programs_in_the_user_cache(tmp_path, mo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user"))
     try:
         monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+        # programs of 0.1 s or more, in either directory, unless the environment says
+        monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         assert cli.use_compilation_cache() == tmp_path / "user" / "attnjax" / "jax"
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "user" / "attnjax" / "jax")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.1
         assert (tmp_path / "user" / "attnjax" / "jax").is_dir()
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "chosen"))
         assert cli.use_compilation_cache() == tmp_path / "chosen"
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.1
+        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        cli.use_compilation_cache()
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
         jax.config.update("jax_enable_compilation_cache", False)
         assert cli.use_compilation_cache() is None
         # a directory that cannot be written (a read-only mount) turns the cache off,

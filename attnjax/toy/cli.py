@@ -693,7 +693,9 @@ def use_compilation_cache() -> Path | None:
     """Compiled programs persist between runs, so a rerun, a resumed run or another
     run of the same shapes skips most of its compilation: in $JAX_COMPILATION_CACHE_DIR
     when that is set (jax reads it), else in the user's cache directory
-    ($XDG_CACHE_HOME or ~/.cache, then attnjax/jax). JAX_ENABLE_COMPILATION_CACHE=false
+    ($XDG_CACHE_HOME or ~/.cache, then attnjax/jax); each program that compiles in 0.1 s
+    or more, unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise.
+    JAX_ENABLE_COMPILATION_CACHE=false
     turns it off. A directory that cannot be written turns it off too (jax would warn
     at every program), saying so where it was chosen. Returns the directory used, or
     None."""
@@ -713,11 +715,12 @@ def use_compilation_cache() -> Path | None:
             print(f"warning: JAX_COMPILATION_CACHE_DIR={chosen} cannot be written; "
                   f"programs are compiled anew", file=sys.stderr, flush=True)
         return None
-    if chosen:
-        return directory
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    # programs that compile faster than this are not worth a file
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    if not chosen:
+        jax.config.update("jax_compilation_cache_dir", str(directory))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        # programs that compile faster than this are not worth a file (jax's default,
+        # 1 s, leaves out the initialisation and evaluation of the shipped configs)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
     return directory
 
 

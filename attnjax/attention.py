@@ -173,7 +173,8 @@ def dot_product_attention(
       return_residual: also return the log-sum-exp of each row's logits, `[B, T, N]`
         in the input dtype (jax.nn's name, layout and dtype; float32 inside for 16-bit),
         differentiable. A row that sees no key (and no sink) has log-sum-exp −1e30
-        (`attnjax.core.MASKED`; float16's lowest value in float16), never −inf.
+        (`attnjax.core.MASKED`; float16's lowest value in float16), never −inf; one
+        beyond the input dtype's range is its largest value, never inf.
       implementation: "dense" (materialises the `[T, S]` weights of each head),
         "chunked" (block-sparse online softmax: O(T + S) memory forward and backward,
         blocks the mask hides skipped) or "cudnn" (delegates to
@@ -282,9 +283,11 @@ def dot_product_attention(
     if lse is not None and lse.dtype != dtype:
         # in the inputs' dtype, as jax.nn returns it (computed in float32 for float16 and
         # bfloat16): code written for jax.nn hands back a cotangent of that dtype. A row
-        # that sees nothing keeps a finite log-sum-exp: float16's lowest, not −inf.
-        lowest = jnp.asarray(jnp.finfo(dtype).min, lse.dtype)
-        lse = jnp.maximum(lse, lowest).astype(dtype)
+        # that sees nothing keeps a finite log-sum-exp: float16's lowest, not −inf; one
+        # past float16's range (logits of 1e5 from float16 inputs) its largest, not inf.
+        lowest, largest = (jnp.asarray(f, lse.dtype) for f in (jnp.finfo(dtype).min,
+                                                               jnp.finfo(dtype).max))
+        lse = jnp.clip(lse, lowest, largest).astype(dtype)
     extras = ((weights,) if return_weights else ()) + ((lse,) if return_residual else ())
     return (out, *extras) if extras else out
 

@@ -433,6 +433,13 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
                            dropout_key)
         # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, V]
         row_max, row_sum, acc = _visit(visits, step, init)
+        if sinks is not None and facts.ceiling is not None:
+            # Shifted by a ceiling far above it, a sink adds exp(sink − ceiling) = 0 to
+            # the sum: a row that saw no key then still has its sink (its weight 1, its
+            # log-sum-exp the sink), as a running maximum would have kept it.
+            sink = jnp.broadcast_to(start, rows_shape)
+            alone = (row_sum == 0) & (sink > FLOOR)
+            row_max, row_sum = jnp.where(alone, sink, row_max), jnp.where(alone, 1.0, row_sum)
         seen = row_sum > 0
         safe_sum = jnp.where(seen, row_sum, 1.0)
         out = acc / safe_sum[..., None]

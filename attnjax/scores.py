@@ -174,7 +174,20 @@ def soft_cap(cap: float) -> ScoreMod:
                         f"got {type(cap).__name__}")
     if not (math.isfinite(float(cap)) and float(cap) > 0):
         raise ValueError(f"soft_cap needs a positive finite cap; got {float(cap)!r}")
+    if not MIN_CAP <= float(cap) <= MAX_CAP:
+        raise ValueError(f"soft_cap's cap must lie in [{MIN_CAP:.3g}, {MAX_CAP:g}] (beyond, "
+                         f"float32 flushes logits · 1/cap, or the cap's gradients, to 0); "
+                         f"got {float(cap):g}")
     return _soft_cap(float(cap))
+
+
+# The squash computes score · (1/cap) in float32 (for 16-bit inputs too), where a CPU
+# flushes a product below float32's smallest normal number to 0: with cap ≤ 1e30 only
+# logits under 1.2e-8 are, off by less than that (at cap 8.5e37, 1/cap itself the
+# smallest normal, logits under 1 were: attention weights 4e-4 off). Below the smallest
+# normal cap, its gradients are NaN.
+MIN_CAP = float(np.finfo(np.float32).tiny)
+MAX_CAP = 1e30
 
 
 # One function per cap: a call that writes soft_cap(30.0) each time passes the same
@@ -294,6 +307,7 @@ def relative_position_bucket(relative_position, *, num_buckets: int, max_distanc
         ...                                 bidirectional=True).tolist()   # [T, S] alike
         [2, 0, 6]
     """
+    _check_buckets(num_buckets, max_distance, bidirectional)
     bucket = jnp.zeros_like(relative_position)
     n = -relative_position
     if bidirectional:
@@ -311,6 +325,20 @@ def relative_position_bucket(relative_position, *, num_buckets: int, max_distanc
     return bucket + jnp.where(n < exact, n, log_bucket)
 
 
+def _check_buckets(num_buckets, max_distance, bidirectional) -> None:
+    """At least one exact bucket per direction, and room for the logarithmic ones."""
+    fewest = 4 if bidirectional else 2   # half of a direction's buckets are exact
+    if not (_checks.is_int(num_buckets) and num_buckets >= fewest):
+        raise ValueError(f"num_buckets must be an int ≥ {fewest} "
+                         f"{'(2 a direction) ' if bidirectional else ''}with "
+                         f"bidirectional={bidirectional}; got {num_buckets!r}")
+    if not (_checks.is_int(max_distance) and max_distance >= 2):
+        raise ValueError(f"max_distance must be an int ≥ 2; got {max_distance!r}")
+    if max_distance <= num_buckets // fewest:
+        raise ValueError(f"max_distance={max_distance} must exceed the exact range "
+                         f"{num_buckets // fewest} of num_buckets={num_buckets}")
+
+
 def relative_position_bias(table: Float[ArrayLike, "buckets N"], *, num_buckets: int = 32,
                            max_distance: int = 128, bidirectional: bool = True) -> ScoreMod:
     """T5's relative position bias: score + table[bucket(k_pos − q_pos), n].
@@ -326,19 +354,13 @@ def relative_position_bias(table: Float[ArrayLike, "buckets N"], *, num_buckets:
         >>> attnjax.dot_product_attention(q, k, v, score_mod=mod).shape
         (1, 6, 2, 8)
     """
+    _check_buckets(num_buckets, max_distance, bidirectional)
     table = jnp.asarray(table)
     if table.ndim != 2 or table.shape[0] != num_buckets or not jnp.issubdtype(
             table.dtype, jnp.floating):
         raise ValueError(f"relative_position_bias table must be a float array "
                          f"[num_buckets={num_buckets}, N]; got {table.dtype} "
                          f"{_checks.shape_str(table.shape)}")
-    for name, value in (("num_buckets", num_buckets), ("max_distance", max_distance)):
-        if not (_checks.is_int(value) and value >= 2):
-            raise ValueError(f"{name} must be an int ≥ 2; got {value!r}")
-    if max_distance <= num_buckets // (4 if bidirectional else 2):
-        raise ValueError(f"max_distance={max_distance} must exceed the exact range "
-                         f"{num_buckets // (4 if bidirectional else 2)} of num_buckets="
-                         f"{num_buckets}")
 
     def mod(score, b, n, q_pos, k_pos):
         bucket = relative_position_bucket(k_pos - q_pos, num_buckets=num_buckets,

@@ -152,8 +152,16 @@ def test_bounded_shift_with_large_sinks_and_rows_that_see_nothing():
                     implementation=implementation, block_sizes=blocks)
                 for implementation, blocks in (("dense", None), ("chunked", (8, 8)))]
 
-    for sinks in (None, jnp.array([40.0, -3.0], jnp.float32)):
+    # (a sink far below the cap, -100: exp(sink − cap) is 0 in float32, yet a row that
+    # sees no key keeps its sink, and the sink its gradient)
+    for sinks in (None, jnp.array([40.0, -3.0], jnp.float32),
+                  jnp.array([-100.0, -3.0], jnp.float32)):
         (dense_out, dense_lse), (out, lse) = jax.jit(both)(q, k, v, sinks)
+        if sinks is not None:
+            dense_d_sinks, d_sinks = jax.jit(jax.jacrev(
+                lambda sinks: [lse.sum() for _, lse in both(q, k, v, sinks)]))(sinks)
+            np.testing.assert_allclose(np.asarray(d_sinks), np.asarray(dense_d_sinks),
+                                       rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(out), np.asarray(dense_out), rtol=0, atol=2e-5)
         np.testing.assert_allclose(np.asarray(lse), np.asarray(dense_lse), rtol=2e-6,
                                    atol=2e-5)

@@ -310,3 +310,23 @@ def test_residual_has_jax_nn_s_dtype_so_its_vjp_takes_their_cotangents(dtype, im
     np.testing.assert_allclose(lse[[0, 2]], expected[[0, 2]], rtol=1e-2, atol=1e-2)
     # attnjax's MASKED (−1e30) where the dtype holds it, else the dtype's lowest
     np.testing.assert_allclose(lse[1], max(MASKED, float(jnp.finfo(dtype).min)), rtol=1e-2)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_a_float16_log_sum_exp_past_float16_s_range_is_its_largest_not_inf(implementation):
+    """Logits of ~1e5 from float16 inputs: the output and gradients are finite, and the
+    log-sum-exp (float32 inside) comes back as float16's largest value, not inf."""
+    q, k, v = (x.astype(jnp.float16) for x in _qkv(25))
+    # positive q and k of ~200: q·k / √H ~ 1e5, past float16's 65504
+    q, k = (jnp.abs(x) * jnp.float16(250.0) for x in (q, k))
+
+    def lse_sum(q, k, v):
+        _, lse = attnjax.dot_product_attention(q, k, v, return_residual=True,
+                                               implementation=implementation)
+        return jnp.sum(lse.astype(jnp.float32)), lse
+
+    grads, lse = jax.grad(lse_sum, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    lse = np.asarray(lse, np.float32)
+    assert np.isfinite(lse).all() and (lse == np.float32(jnp.finfo(jnp.float16).max)).any()
+    for g in grads:
+        assert np.isfinite(np.asarray(g, np.float32)).all()

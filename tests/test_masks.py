@@ -770,6 +770,19 @@ MISTAKES = [
      ValueError, r"score_mod must return the score's shape \[16, 16\]; got \[16\]"),
     ("soft_cap_zero", lambda: scores.soft_cap(0.0), ValueError,
      r"soft_cap needs a positive finite cap; got 0.0"),
+    # 1/cap flushed to 0 (every logit squashed to 0), or the cap's gradients NaN
+    ("soft_cap_huge", lambda: scores.soft_cap(1e38), ValueError,
+     r"soft_cap's cap must lie in \[1.18e-38, 1e\+30\].*got 1e\+38"),
+    ("soft_cap_subnormal", lambda: scores.soft_cap(1e-40), ValueError,
+     r"soft_cap's cap must lie in \[1.18e-38, 1e\+30\].*got 1e-40"),
+    # no exact bucket a direction: was a ZeroDivisionError in the first call
+    ("buckets_too_few", lambda: scores.relative_position_bias(jnp.ones((2, 3), jnp.float32),
+                                                              num_buckets=2),
+     ValueError, r"num_buckets must be an int ≥ 4 \(2 a direction\) with bidirectional=True; "
+                 r"got 2"),
+    ("bucket_too_few", lambda: scores.relative_position_bucket(
+        jnp.arange(3), num_buckets=3, max_distance=8, bidirectional=True),
+     ValueError, r"num_buckets must be an int ≥ 4"),
     ("alibi_rank", lambda: _plain(scores.alibi)(jnp.ones((2, 3), jnp.float32)), ValueError,
      r"alibi slopes must be a float array \[N\]; got float32 \[2, 3\]"),
     ("table_shape", lambda: scores.relative_position_bias(jnp.ones((8, 3), jnp.float32)),

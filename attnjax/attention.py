@@ -235,13 +235,12 @@ def dot_product_attention(
         implementation = None
     query, key, value, shape = _check_inputs(query, key, value, alignment is None)
     dtype = key.dtype
-    if (dtype == jnp.float16 and alignment is None and implementation != "cudnn"
-            and (isinstance(scale, jax.core.Tracer)
-                 or _checks.resolve_scale(scale, query.shape[-1]) > 1.0)):
-        # The kernels' first step is q·scale in q's dtype, which a scale above 1 can
-        # take past float16's 65504 (q = 100, scale = 1000: inf, then NaN), and a traced
-        # scale may be any: float32 inside, as for the softmax, and the results in
-        # float16.
+    if (dtype in (jnp.float16, jnp.bfloat16) and alignment is None
+            and implementation != "cudnn" and isinstance(scale, jax.core.Tracer)):
+        # A traced scale is folded into the queries (`_traced_scale`), which in 16 bits
+        # would round it and every q (a bfloat16 scale of 0.3: 0.30078): float32
+        # inside, as for the softmax, and the results in the inputs' dtype. (A number
+        # is applied to the float32 logits instead: `scores.split_scale`.)
         query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
     query, scale = _traced_scale(query, scale, alignment)
     if shape.unbatched:   # jax.nn's forms too: it gives an unbatched call a batch of one
@@ -351,9 +350,10 @@ def _batch_of_one_dropped(x, rank: int):
 
 def _traced_scale(query, scale, alignment):
     """(query, scale) with a traced scale (under jit, or a learned temperature under grad,
-    as jax.nn takes it) folded into the query. The kernels' first step is q·scale in q's
-    dtype, so the result has the bits it has for that number given as a Python float
-    (which is range-checked; a traced one cannot be)."""
+    as jax.nn takes it) folded into the query (float32 or float64 by then). The kernels'
+    first step is q·scale in q's dtype, so the result has the bits it has for that number
+    given as a Python float (which is range-checked; a traced one cannot be), for float32
+    and float64 inputs."""
     if alignment is not None or not isinstance(scale, jax.core.Tracer):
         return query, scale
     if not _checks.is_real_scalar(scale):

@@ -40,7 +40,7 @@ from attnjax import heads
 from attnjax.core import FLOOR, MASKED
 from attnjax.masks import FULL, PARTIAL, SKIP, Grid, Mask, pad_axis, slice_block
 from attnjax.options import Options
-from attnjax.scores import Score, _logits_dtype, apply_score_mod
+from attnjax.scores import Score, _logits_dtype, apply_score_mod, split_scale
 
 # Chosen on a 2-core CPU with benchmarks/attention.py: large enough that each block's
 # matrix products run near the GEMM rate, small enough that a block of logits for all
@@ -61,9 +61,11 @@ BOUNDED_RANGE = 64.0
 
 @dataclasses.dataclass(frozen=True)
 class _Plan(Grid):
-    """Static facts of one call: sizes, blocks, dropout."""
+    """Static facts of one call: sizes, blocks, dropout, and the part of the scale the
+    logits take (`scores.split_scale`; q arrives scaled by the rest)."""
 
     dropout_rate: float = 0.0
+    logit_scale: float = 1.0
 
 
 def block_sizes(t: int, s: int, block_q: int | None, block_k: int | None) -> tuple[int, int]:
@@ -130,7 +132,7 @@ class _Blocks:
     """Per-block logits and dropout of one head, shared by both passes.
 
     `mod` is the closure-converted score_mod (or None), called with its hoisted
-    `consts`; q arrives pre-scaled.
+    `consts`; q arrives pre-scaled (but for the plan's logit_scale).
     """
 
     def __init__(self, plan, mask, bias, mod, dropout_key):
@@ -142,6 +144,8 @@ class _Blocks:
         p = self.plan
         # [bq, bk]
         s = jnp.einsum("TH,SH->TS", q_i, k_j, preferred_element_type=_logits_dtype(q_i.dtype))
+        if p.logit_scale != 1.0:
+            s = s * p.logit_scale
         if self.bias is not None:
             s = s + slice_block(self.bias, i * p.block_q, p.block_q, j * p.block_k,
                               p.block_k).astype(s.dtype)
@@ -499,13 +503,15 @@ def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: b
                          preferred_element_type=acc_dtype)
         # [bq, bk]: the gradient of the (modified) logits; zero where masked, as p is.
         ds, d_consts = modify_vjp(p * (dp - delta_i[:, None]))
+        # q·kᵀ's own gradient (the bias's is ds)
+        ds_qk = ds if plan.logit_scale == 1.0 else ds * plan.logit_scale
         if q_i.dtype == jnp.float16:
             # ds grows with dO·vᵀ (|dO|·|v|·V), past float16's 65504 where every input,
             # output and gradient fits: its products take float32 operands (float16
             # values are exact in float32).
-            ds_in, q_t, k_j = ds, q_t.astype(acc_dtype), k_j.astype(acc_dtype)
+            ds_in, q_t, k_j = ds_qk, q_t.astype(acc_dtype), k_j.astype(acc_dtype)
         else:
-            ds_in = ds.astype(q_i.dtype)
+            ds_in = ds_qk.astype(q_i.dtype)
         # [H, bk]
         d_k = jnp.einsum("HT,TS->HS", wide(q_t), wide(ds_in), preferred_element_type=acc_dtype)
         d_q = jnp.einsum("TS,SH->TH", ds_in, k_j, preferred_element_type=acc_dtype)
@@ -673,11 +679,12 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
     # keys and values [B, S, K, ·], or head-major [B, K, 1, S, ·] (ring attention)
     seq_axis = 3 if k.ndim == 5 else 1
     s = k.shape[seq_axis]
-    plan = _Plan(t, s, *block_sizes(t, s, block_q, block_k), dropout_rate)
+    q_scale, logit_scale = split_scale(score.scale, q.dtype)
+    plan = _Plan(t, s, *block_sizes(t, s, block_q, block_k), dropout_rate, logit_scale)
     mask = mask.padded(plan.padded_t, plan.padded_s)
     table = _table(plan, mask, (b, kv_heads, g))
     # q scaled once, rather than every [bq, bk] block of logits; [B, K, G, Tp, H]
-    q = jnp.moveaxis(pad_axis(q * jnp.asarray(score.scale, q.dtype), plan.padded_t, 1), 1, 3)
+    q = jnp.moveaxis(pad_axis(q * jnp.asarray(q_scale, q.dtype), plan.padded_t, 1), 1, 3)
     k, v = pad_axis(k, plan.padded_s, seq_axis), pad_axis(v, plan.padded_s, seq_axis)
     bias = None if score.bias is None else pad_axis(
         pad_axis(score.bias, plan.padded_t, -2, broadcast=True), plan.padded_s, -1,
@@ -879,6 +886,8 @@ def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
     d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None, cols,
                                   heads_first(out), _lse_parts(heads_first(lse)),
                                   heads_first(d_out), None, facts)
-    # q entered pre-scaled: the chain rule applies the scale to d_q
-    d_q = (_rows_first(d_q, plan.t) if rows_first else d_q) * score.scale
+    # q entered pre-scaled (by all of the scale but the logits' part, which d_q holds):
+    # the chain rule applies that to d_q
+    q_scale = score.scale if plan.logit_scale == 1.0 else 1.0
+    d_q = (_rows_first(d_q, plan.t) if rows_first else d_q) * q_scale
     return d_q, d_k[:, : plan.s], d_v[:, : plan.s]

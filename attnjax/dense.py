@@ -17,7 +17,7 @@ from jaxtyping import Array, Float
 from attnjax import core
 from attnjax.masks import Mask
 from attnjax.options import Options
-from attnjax.scores import Score, _logits_dtype, check_alignment
+from attnjax.scores import Score, _logits_dtype, check_alignment, split_scale
 
 
 def attend(
@@ -43,19 +43,20 @@ def attend(
         # a constant of the program, seconds for a [512, 512] one)
         seen = jax.lax.optimization_barrier(visible)
         rows, cols = jnp.any(seen, axis=1), jnp.any(seen, axis=0)
+    q_scale, logit_scale = split_scale(score.scale, q.dtype)
     if (score.align is None and score.mod is None and score.sinks is None
             and options.dropout_rate == 0.0 and not options.return_weights):
-        out, lse = _plain(q * jnp.asarray(score.scale, q.dtype), k, v, score.bias,
-                          visible, rows, cols, group == 1)
+        out, lse = _plain(q * jnp.asarray(q_scale, q.dtype), k, v, score.bias,
+                          visible, rows, cols, group == 1, logit_scale)
         return out, lse, None
     if visible is not None:
         v = jnp.where(cols[:, None], v, 0)
     if score.align is None:
-        # Scaling the [T, H] queries costs T·H multiplies instead of T·S on the logits.
-        q = q * jnp.asarray(score.scale, q.dtype)
+        q = q * jnp.asarray(q_scale, q.dtype)
         # [T, S]
         logits = (core.contract_last(q, k, acc) if visible is None
                   else _seen_logits(q, k, rows, cols))
+        logits = logits if logit_scale == 1.0 else logits * logit_scale
     else:
         if visible is not None:
             q, k = jnp.where(rows[:, None], q, 0), jnp.where(cols[:, None], k, 0)
@@ -128,11 +129,11 @@ def _logits_tangent(q, k, d_q, d_k, acc):
             + jnp.einsum("TH,SH->TS", q, d_k, preferred_element_type=acc))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
-def _plain(q, k, v, bias, visible, rows, cols, alone):
-    """(out `[T, V]`, lse `[T]`) of softmax(q·kᵀ + bias) v over the visible entries, for
-    q already scaled; v's hidden columns (not `cols`) count as zero. `alone`: no other
-    query head shares k and v.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8))
+def _plain(q, k, v, bias, visible, rows, cols, alone, logit_scale):
+    """(out `[T, V]`, lse `[T]`) of softmax(q·kᵀ·logit_scale + bias) v over the visible
+    entries, for q already scaled by the rest of the scale (`split_scale`); v's hidden
+    columns (not `cols`) count as zero. `alone`: no other query head shares k and v.
 
     Its derivative is written so that reverse mode computes FlashAttention's backward
     pass, dS = P ∘ (dP − rowsum(dO ∘ O) + d_lse): a row sum over `[T, V]` where
@@ -151,7 +152,7 @@ def _plain(q, k, v, bias, visible, rows, cols, alone):
     # (1000, 29, 4, 2, 16) 1.46x / 0.97x, so summed.
     one_query = q.shape[0] == 1 and (alone or k.shape[0] <= core.ONE_PASS_TERMS)
     unnormalised, total, lse = core.exp_and_total(
-        _logits(q, k, bias, one_pass=one_query), visible)
+        _logits(q, k, bias, logit_scale, one_pass=one_query), visible)
     return _weights_times_values(unnormalised, v, cols, total, one_query), lse
 
 
@@ -162,9 +163,10 @@ def _in_one_pass(terms: int) -> bool:
     return jax.default_backend() == "cpu" and terms <= core.ONE_PASS_TERMS
 
 
-def _logits(q, k, bias, *, one_pass: bool = False):
-    """q·kᵀ + bias `[T, S]` in float32 (float64 for float64 inputs). With one_pass (one
-    query, the value alone: no derivative), the logits are summed as k is read."""
+def _logits(q, k, bias, logit_scale: float, *, one_pass: bool = False):
+    """q·kᵀ·logit_scale + bias `[T, S]` in float32 (float64 for float64 inputs). With
+    one_pass (one query, the value alone: no derivative), the logits are summed as k is
+    read."""
     acc = _logits_dtype(q.dtype)
     if one_pass and _in_one_pass(q.shape[1]):
         # A decoding step: each logit a sum over H. XLA's CPU backend runs the product
@@ -175,11 +177,13 @@ def _logits(q, k, bias, *, one_pass: bool = False):
         logits = logits[None]
     else:
         logits = core.contract_last(q, k, acc)
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
     return logits if bias is None else logits + bias.astype(acc)
 
 
-def _plain_forward(q, k, v, bias, visible):
-    weights, lse = core.softmax_and_lse(_logits(q, k, bias), visible)
+def _plain_forward(q, k, v, bias, visible, logit_scale):
+    weights, lse = core.softmax_and_lse(_logits(q, k, bias, logit_scale), visible)
     return (core.mix_values(weights, v), lse), weights
 
 
@@ -215,7 +219,7 @@ def _weights_times_values(weights, v, cols, total, one_query: bool):
 
 
 @_plain.defjvp
-def _plain_jvp(alone, primals, tangents):
+def _plain_jvp(alone, logit_scale, primals, tangents):
     q, k, v, bias, visible, rows, cols = primals
     d_q, d_k, d_v, d_bias = tangents[:4]
     if visible is not None:
@@ -224,9 +228,11 @@ def _plain_jvp(alone, primals, tangents):
         # row's or column's logits are masked either way): one copy of each, not two.
         q, k = jnp.where(rows[:, None], q, 0), jnp.where(cols[:, None], k, 0)
         v, d_v = jnp.where(cols[:, None], v, 0), jnp.where(cols[:, None], d_v, 0)
-    (out, lse), weights = _plain_forward(q, k, v, bias, visible)
+    (out, lse), weights = _plain_forward(q, k, v, bias, visible, logit_scale)
     acc = weights.dtype
     d_logits = _logits_tangent(q, k, d_q, d_k, acc)
+    if logit_scale != 1.0:
+        d_logits = d_logits * logit_scale
     if bias is not None:
         d_logits = d_logits + d_bias.astype(acc)
     # d softmax = P ∘ (dS − rowsum(P ∘ dS)), so d(P v) = (P ∘ dS) v − rowsum(P ∘ dS) ∘ O

@@ -36,6 +36,22 @@ def _logits_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
 
 
+def split_scale(scale, dtype) -> tuple[Any, float]:
+    """(the queries' factor, the logits'): the scale as the kernels apply it.
+
+    Scaling the `[T, H]` queries costs T·H multiplies instead of T·S on the logits, and
+    is exact in float32 (one rounding of q, below the logits' own) and, in float16 and
+    bfloat16, for a power of two at most 1. Any other scale of 16-bit queries rounded
+    every q to 8 or 11 bits again (twice jax.nn's error at H = 32 or 128, which scales
+    the float32 logits; in float16, a scale of 1e-7 became 1.19e-7 and one above 1 could
+    overflow): the float32 logits take it instead."""
+    if (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and isinstance(scale, (int, float)) and not (
+                scale <= 1 and math.frexp(scale)[0] == 0.5)):
+        return 1.0, float(scale)
+    return scale, 1.0
+
+
 def dot_score(q: Float[ArrayLike, "T H"], k: Float[ArrayLike, "S H"]) -> Float[ArrayLike, "T S"]:
     """Luong's "dot" alignment: q kᵀ, unscaled.
 
@@ -63,11 +79,11 @@ def scaled_dot_score(
         ((5, 7), 4.0)
     """
     _checks.check_same_last_dim("q", q, "k", k)
-    scale = _checks.resolve_scale(scale, q.shape[-1])
-    # Scaling the [T, H] queries costs T·H multiplies instead of T·S on the logits.
-    q = q * jnp.asarray(scale, dtype=q.dtype)
+    q_scale, logit_scale = split_scale(_checks.resolve_scale(scale, q.shape[-1]), q.dtype)
+    q = q * jnp.asarray(q_scale, dtype=q.dtype)
     # [T, S]
-    return jnp.einsum("TH,SH->TS", q, k, preferred_element_type=_logits_dtype(q.dtype))
+    logits = jnp.einsum("TH,SH->TS", q, k, preferred_element_type=_logits_dtype(q.dtype))
+    return logits if logit_scale == 1.0 else logits * logit_scale
 
 
 def general_score(

@@ -275,10 +275,10 @@ MISTAKES = [
     ("module_dropout_rate", lambda: nn.MultiHeadDotProductAttention(
         num_heads=2, dropout_rate=-0.1, deterministic=False).init(
         jax.random.key(0), jnp.ones((1, 3, 4), jnp.float32)),
-     ValueError, r"dropout_rate must lie in \[0, 1\); got -0.1"),
+     ValueError, r"dropout_rate must lie in \[0, 1\]; got -0.1"),
     ("nnx_dropout_rate", lambda: attnjax.nnx.MultiHeadAttention(
         2, 4, dropout_rate=float("nan"), decode=False, rngs=flax.nnx.Rngs(0)),
-     ValueError, r"dropout_rate must lie in \[0, 1\); got nan"),
+     ValueError, r"dropout_rate must lie in \[0, 1\]; got nan"),
     # flax's attention functions take one key/value head per query head (flax's
     # AssertionError had named nothing)
     ("module_attention_fn_kv_heads", lambda: nn.MultiHeadDotProductAttention(

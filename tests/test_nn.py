@@ -15,6 +15,7 @@ from attnjax import nn
 from attnjax.nn import decoding
 from tests import draws
 from tests.checks import own_checks_only
+from tests.numerics import as_users_run
 from tests.trees import perturbed as _perturbed
 
 B, T, S, D, DK, N = 2, 5, 7, 12, 10, 4
@@ -417,6 +418,29 @@ def _transformer(**kw):
 
 def _tokens(rng, b, length, vocab):
     return draws.randint(rng, (b, length), 1, vocab)
+
+
+@pytest.mark.parametrize("pre_ln", [True, False])
+def test_a_model_s_dtype_is_every_block_s_compute_dtype(rng, pre_ln):
+    """dtype="bfloat16": every sublayer (attention, feed-forward, their layer norms and
+    residual sums) of every block computes in bfloat16, as flax's dtype means, with
+    float32 parameters and logits; the feed-forward and layer norms kept float32, and
+    from the first block on the residual stream was float32. (Standard promotion: flax's
+    LayerNorm promotes bfloat16 to float32 for its statistics.)"""
+    model = nn.Transformer(_transformer(dtype="bfloat16", pre_ln=pre_ln, dropout_rate=0.0))
+    src, tgt = _tokens(rng, B, S, 11), _tokens(jax.random.fold_in(rng, 1), B, T, 13)
+    with as_users_run():
+        params = _init(model, rng, src, tgt)["params"]
+        logits, state = jax.jit(lambda p: model.apply(
+            {"params": p}, src, tgt, capture_intermediates=True,
+            mutable=["intermediates"]))(params)
+    assert logits.dtype == jnp.float32
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    outputs = jax.tree_util.tree_flatten_with_path(state["intermediates"])[0]
+    blocks = {jax.tree_util.keystr(path): x.dtype for path, x in outputs
+              if "layer_" in jax.tree_util.keystr(path) or "ln_final" in jax.tree_util.keystr(path)}
+    assert any("ffn'" in name for name in blocks) and any("'ln'" in name for name in blocks)
+    assert set(blocks.values()) == {jnp.dtype(jnp.bfloat16)}, blocks
 
 
 def test_sown_weights_have_a_shape_for_every_layer(rng):

@@ -166,14 +166,16 @@ class _Residual(nn.Module):
     @nn.compact
     def __call__(self, x, f, *, deterministic):
         drop = nn.Dropout(self.config.dropout_rate)
+        ln = nn.LayerNorm(dtype=jnp.dtype(self.config.dtype), name="ln")
         if self.config.pre_ln:
-            return x + drop(f(nn.LayerNorm(name="ln")(x)), deterministic=deterministic)
-        return nn.LayerNorm(name="ln")(x + drop(f(x), deterministic=deterministic))
+            return x + drop(f(ln(x)), deterministic=deterministic)
+        return ln(x + drop(f(x), deterministic=deterministic))
 
 
 def _feed_forward(config, x, deterministic):
     """Every block's last sublayer, created in the calling block's scope."""
-    ffn = FeedForward(config.d_ff, config.dropout_rate, config.activation, name="ffn")
+    ffn = FeedForward(config.d_ff, config.dropout_rate, config.activation,
+                      dtype=jnp.dtype(config.dtype), name="ffn")
     return _Residual(config, name="ffn_residual")(
         x, lambda h: ffn(h, deterministic=deterministic), deterministic=deterministic)
 
@@ -302,7 +304,9 @@ class _Stack(nn.Module):
                 x = DecoderBlock(self.config, self.decode, name=f"layer_{i}")(
                     x, memory, mask=mask, memory_mask=memory_mask, positions=positions,
                     deterministic=deterministic, sow_weights=sow_weights)
-        return nn.LayerNorm(name="ln_final")(x) if self.config.pre_ln else x
+        if not self.config.pre_ln:
+            return x
+        return nn.LayerNorm(dtype=jnp.dtype(self.config.dtype), name="ln_final")(x)
 
 
 def _embedding_init(config):

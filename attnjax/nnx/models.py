@@ -129,7 +129,7 @@ class _Residual(nnx.Module):
 
     def __init__(self, config, *, rngs: nnx.Rngs):
         self.pre_ln = config.pre_ln
-        self.ln = nnx.LayerNorm(config.d_model, rngs=rngs)
+        self.ln = nnx.LayerNorm(config.d_model, dtype=jnp.dtype(config.dtype), rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout_rate)
 
     def __call__(self, x, f, *, deterministic, rngs):
@@ -170,7 +170,7 @@ class EncoderBlock(_Viewed, nnx.Module):
         self.self = _attention(config, decode=False, rngs=rngs)
         self.self_residual = _Residual(config, rngs=rngs)
         self.ffn = FeedForward(config.d_model, config.d_ff, config.dropout_rate,
-                               config.activation, rngs=rngs)
+                               config.activation, jnp.dtype(config.dtype), rngs=rngs)
         self.ffn_residual = _Residual(config, rngs=rngs)
 
     def __call__(self, x, *, mask=None, positions=None, deterministic=None, sow_weights=False,
@@ -203,7 +203,7 @@ class DecoderBlock(_Viewed, nnx.Module):
         else:
             self.cross = nnx.data(None)
         self.ffn = FeedForward(config.d_model, config.d_ff, config.dropout_rate,
-                               config.activation, rngs=rngs)
+                               config.activation, jnp.dtype(config.dtype), rngs=rngs)
         self.ffn_residual = _Residual(config, rngs=rngs)
 
     def __call__(self, x, memory=None, *, mask=None, memory_mask=None, positions=None,
@@ -241,8 +241,8 @@ class _Stack(nnx.Module):
             block = (EncoderBlock(config, rngs=rngs) if encoder
                      else DecoderBlock(config, decode, cross, rngs=rngs))
             setattr(self, f"layer_{i}", block)
-        self.ln_final = (nnx.LayerNorm(config.d_model, rngs=rngs) if config.pre_ln
-                         else nnx.data(None))
+        self.ln_final = (nnx.LayerNorm(config.d_model, dtype=jnp.dtype(config.dtype),
+                                       rngs=rngs) if config.pre_ln else nnx.data(None))
 
     def __call__(self, x, memory=None, **kw):
         for i in range(self.num_layers):

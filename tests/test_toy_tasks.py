@@ -106,16 +106,24 @@ def test_both_sides_of_the_split_keep_uniform_lengths(num_symbols, max_len):
     length 3 was held out (training never saw one), lengths 4 to 7 one in five."""
     task = SequenceTask("copy", num_symbols, 1, max_len)
     seed = np.random.default_rng().integers(1 << 30)
-    for held in (True, False):
-        lengths = task.sample(np.random.default_rng([seed, held]), 300 * max_len,
-                              held=held).src_lengths
-        counts = np.bincount(lengths, minlength=max_len + 1)[1:]
-        assert counts.min() > 0.75 * 300 and counts.max() < 1.25 * 300, (held, counts)
     symbols, lengths = task._draw(np.random.default_rng(seed), 200_000)
     held_out = tasks.held_out(task._keys(symbols, lengths))
+    # each length's share of held-out sources: one in ten, as the hash gives it (with 2
+    # symbols, a length has a few thousand sources: 8.7% of length 11's, say)
+    shares = np.full(max_len, 1 / tasks.HELD_OUT_ONE_IN)
     for length in range(task.split_len, max_len + 1):
-        share = held_out[lengths == length].mean()
-        assert 0.07 < share < 0.13, (length, share)
+        shares[length - 1] = held_out[lengths == length].mean()
+        assert 0.07 < shares[length - 1] < 0.13, (length, shares[length - 1])
+    for held, side in ((True, shares), (False, 1 - shares)):
+        size = 300 * max_len
+        lengths = task.sample(np.random.default_rng([seed, held]), size,
+                              held=held).src_lengths
+        counts = np.bincount(lengths, minlength=max_len + 1)[1:]
+        # each length as common as its share of the side allows, within 5 standard
+        # deviations of the draw (59% of lengths 1 and 2 was 30 of them)
+        expected = size * side / side.sum()
+        assert np.all(np.abs(counts - expected) < 5 * np.sqrt(expected)), (held, counts,
+                                                                           expected)
 
 
 def test_samples_mark_what_exact_match_counts(tmp_path):

@@ -886,8 +886,8 @@ def backward_with_lse(q, k, v, mask: Mask, score: Score, out, lse, d_out,
     d_q, d_k, d_v, *_ = _backward(plan, mod, q, k, v, mask, bias, None, consts, None, cols,
                                   heads_first(out), _lse_parts(heads_first(lse)),
                                   heads_first(d_out), None, facts)
-    # q entered pre-scaled (by all of the scale but the logits' part, which d_q holds):
+    # q entered pre-scaled (by the queries' part of the scale; d_q holds the logits'):
     # the chain rule applies that to d_q
-    q_scale = score.scale if plan.logit_scale == 1.0 else 1.0
+    q_scale, _ = split_scale(score.scale, q.dtype)
     d_q = (_rows_first(d_q, plan.t) if rows_first else d_q) * q_scale
     return d_q, d_k[:, : plan.s], d_v[:, : plan.s]

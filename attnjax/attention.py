@@ -20,7 +20,6 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 
 from attnjax import _checks, chunked, core, cudnn, dense, heads, masks
@@ -579,8 +578,8 @@ def _sequences_gathered(*arrays):
         spec = _sequence_sharded(x)
         if spec is None:
             return x
-        return jax.sharding.reshard(x, PartitionSpec(
-            *(None if a == _sequence_axis(x) else entry for a, entry in enumerate(spec))))
+        return heads.reshard(
+            x, [None if a == _sequence_axis(x) else entry for a, entry in enumerate(spec)])
     return tuple(map(gathered, arrays))
 
 
@@ -707,6 +706,25 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
     """The kernel `name` for every example and head: out `[B, T, N, V]`, log-sum-exp
     `[B, T, N]`, weights `[B, N, T, S]` or None. The value alone (no derivative taken)
     runs on the kernel `value_name` (default: `name`)."""
+    spec = heads.explicit_spec(query)
+    if spec is not None and any(tuple(spec)[:3]) and _user_functions(mask, score):
+        # Batch or heads sharded in their type (a mesh of Explicit axes): the user's
+        # functions index arrays by the example and head indices, sharded there, and jax
+        # cannot tell how to shard such a gather (`slopes[n]`: a ShardingTypeError). The
+        # kernel runs with the mesh's axes Auto, its results sharded as the query.
+        b, _, n = (tuple(spec) + (None,) * 3)[:3]
+        out_sharding = [heads.sharding(entries, query) for entries in (
+            (b, None, n, None), (b, None, n), (b, n, None, None))]
+        if not options.return_weights:
+            out_sharding[2] = None
+        return jax.sharding.auto_axes(
+            functools.partial(_per_head_kernel, name, value_name=value_name),
+            out_sharding=tuple(out_sharding))(query, key, value, mask, score, options)
+    return _per_head_kernel(name, query, key, value, mask, score, options, value_name)
+
+
+def _per_head_kernel(name: str, query, key, value, mask: Mask, score: Score,
+                     options: Options, value_name: str | None = None):
     b, t, n, h = query.shape
     s, kv_heads = key.shape[1], key.shape[2]
     g = n // kv_heads

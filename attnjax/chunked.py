@@ -33,7 +33,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
 from attnjax import heads
@@ -234,7 +233,7 @@ def _as_primal(cotangent, primal):
     # whose gradient the heads' shards computed)
     spec = heads.explicit_spec(primal)
     if spec is not None and jax.typeof(cotangent).sharding.spec != spec:
-        cotangent = jax.sharding.reshard(cotangent, spec)
+        cotangent = heads.reshard(cotangent, spec, primal)
     return cotangent
 
 
@@ -251,7 +250,7 @@ def _sharded_as(tree, ref, axes: int):
         # (a unit axis where ref's is whole, a broadcast one, is not sharded)
         lead = [entry if x.shape[a] == ref.shape[a] else None
                 for a, entry in enumerate(tuple(spec)[:axes])]
-        return jax.sharding.reshard(x, PartitionSpec(*lead, *(None,) * (x.ndim - len(lead))))
+        return heads.reshard(x, (*lead, *(None,) * (x.ndim - len(lead))), ref)
 
     return jax.tree.map(shard, tree)
 

@@ -77,6 +77,22 @@ def explicit_spec(x):
     return sharding.spec if jax.sharding.AxisType.Explicit in types else None
 
 
+def sharding(entries, like):
+    """PartitionSpec(*entries) on the mesh of `like`'s type: a sharding, not the bare
+    spec, which only jax.set_mesh resolves (arrays put on a mesh of Explicit axes
+    outside it run too, as jax.nn's do)."""
+    if isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer):
+        mesh = like.sharding.mesh       # a concrete array's devices (an eager call)
+    else:
+        mesh = jax.typeof(like).sharding.mesh
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
+
+
+def reshard(x, entries, like=None):
+    """x resharded to PartitionSpec(*entries) on the mesh of `like` (default x)."""
+    return jax.sharding.reshard(x, sharding(entries, x if like is None else like))
+
+
 def _sharded_alike(args, leaf_axes):
     """args with every mapped axis sharded as the first mapped leaf's: vmap needs it
     where shardings are part of the types (a per-example length or index made without
@@ -88,7 +104,7 @@ def _sharded_alike(args, leaf_axes):
     specs = [explicit_spec(leaf) for leaf, _ in pairs]
     if not pairs or specs[0] is None:
         return args
-    axis = pairs[0][1]
+    ref, axis = pairs[0]
     want = tuple(specs[0])[axis] if axis < len(specs[0]) else None
 
     def align(x, axis):
@@ -101,7 +117,7 @@ def _sharded_alike(args, leaf_axes):
         if entries[axis] == want:
             return x
         entries[axis] = want
-        return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*entries))
+        return reshard(x, entries, ref)
 
     return [arg if axes is None else jax.tree.map(align, arg, axes)
             for arg, axes in zip(args, leaf_axes)]

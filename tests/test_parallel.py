@@ -127,6 +127,66 @@ def test_two_processes_match_one_process(tmp_path, one_device):
                   if p.name.isdigit()) == [20, 40, 50]
 
 
+def test_functions_of_the_indices_on_explicit_meshes(rng):
+    """On a mesh of Explicit axes, batch and heads sharded in their types: a score_mod
+    and a from_fn mask that index arrays by the example and the head (scores.alibi's
+    slopes[n], a traced table[n], lengths[b]) run in both kernels, values and
+    gradients (into q, k, v, the slopes and the table) those of the unsharded call
+    (such gathers had been jax's ShardingTypeError). And arrays put on such a mesh
+    without jax.set_mesh run as jax.nn's do (a bare PartitionSpec had needed it)."""
+    import attnjax
+    from attnjax import masks, scores
+
+    keys = jax.random.split(rng, 5)
+    q = jax.random.normal(keys[0], (4, 8, 4, 8), jnp.float32)
+    k, v = (jax.random.normal(key, (4, 8, 2, 8), jnp.float32) for key in keys[1:3])
+    table = jax.random.normal(keys[3], (4,), jnp.float32)
+    slopes = jax.random.uniform(keys[4], (4,), jnp.float32, 0.1, 1.0)
+    lengths = jnp.asarray([3, 8, 5, 1], jnp.int32)
+
+    def loss(q, k, v, slopes, table, implementation):
+        out = attnjax.dot_product_attention(
+            q, k, v, is_causal=True, implementation=implementation,
+            block_sizes=(4, 4) if implementation == "chunked" else None,
+            score_mod=lambda s, b, n, i, j: (scores.alibi(slopes)(s, b, n, i, j)
+                                             + table[n] * lengths[b].astype(s.dtype)),
+            mask=masks.from_fn(lambda b, n, i, j: j < lengths[b] + 2))
+        return jnp.sum(out * jnp.sin(out))
+
+    grads = jax.value_and_grad(loss, argnums=range(5))
+    want_value, want = grads(q, k, v, slopes, table, "dense")
+    mesh = jax.make_mesh((2, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    spec = PartitionSpec("data", None, "model", None)
+    with jax.set_mesh(mesh):
+        sq, sk, sv = (jax.device_put(a, spec) for a in (q, k, v))
+        for implementation in ("dense", "chunked"):
+            value, got = jax.jit(grads, static_argnums=5)(sq, sk, sv, slopes, table,
+                                                          implementation)
+            np.testing.assert_allclose(value, want_value, rtol=1e-5, atol=1e-5)
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+            assert got[0].sharding.spec == spec
+    # outside jax.set_mesh: arrays put on the mesh, batch and heads or the sequence
+    # sharded, eager and under jit
+    expected = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    on_mesh = jax.sharding.NamedSharding(mesh, spec)
+    sq, sk, sv = (jax.device_put(a, on_mesh) for a in (q, k, v))
+    for implementation in ("dense", "chunked"):
+        call = functools.partial(attnjax.dot_product_attention, is_causal=True,
+                                 implementation=implementation)
+        np.testing.assert_allclose(call(sq, sk, sv), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(jax.jit(call)(sq, sk, sv), expected, rtol=1e-5, atol=1e-6)
+    got = jax.jit(jax.grad(loss, argnums=range(5)), static_argnums=5)(
+        sq, sk, sv, slopes, table, "chunked")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    by_sequence = jax.sharding.NamedSharding(mesh, PartitionSpec("data", "model"))
+    np.testing.assert_allclose(
+        attnjax.dot_product_attention(*(jax.device_put(a, by_sequence) for a in (q, k, v)),
+                                      is_causal=True), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_attention_on_explicit_meshes_and_inside_shard_map(rng, monkeypatch):
     """jax.make_mesh's default mesh (Explicit axes, shardings in the types) under
     jax.set_mesh, batch and heads sharded: every kernel, None and the modules run as

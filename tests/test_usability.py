@@ -287,6 +287,24 @@ def test_curves_put_loss_with_learning_rate_and_each_accuracy_on_its_own_panel(r
     assert len(styles) == 2   # the two accuracies stay apart where they coincide
 
 
+def test_curves_of_one_log_step_show_its_points(rng):
+    """A run of one log step (steps=1, or fewer steps than log_every): each curve is one
+    point, drawn with a marker (a line of one point draws nothing: the loss panel was
+    empty)."""
+    records = _records(rng, steps=1)
+    records.append({"step": 10, "eval_token_accuracy": float(draws.host(rng).random()),
+                    "eval_exact_match": 0.0, "eval_s": 0.5})
+    fig = curves_figure(records)
+    lines = [line for ax in fig.get_axes() for line in ax.get_lines()]
+    assert len(lines) == 5
+    for line in lines:
+        assert len(line.get_ydata()) == 1
+        assert line.get_marker() not in (None, "None", "", " "), line.get_label()
+    styles = {(line.get_linestyle(), line.get_marker()) for line in _lines(
+        next(ax for ax in fig.get_axes() if ax.get_ylabel() == "token accuracy")).values()}
+    assert len(styles) == 2
+
+
 def test_attention_heatmaps_have_a_colour_bar_labelled_axes_and_legible_ticks(rng):
     src, tgt = list("0123456"), ["<bos>", "a", "b", "c"]
     generator = draws.host(rng)

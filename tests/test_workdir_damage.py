@@ -25,7 +25,23 @@ from attnjax.toy.report import MetricsLog
 from tests.children import environment, one_device_mesh
 from tests.test_faults import ROOT, TINY
 
-RECORDS = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
+
+
+def log_record(step: int, rng: np.random.Generator) -> dict:
+    """A log record as a run writes it, of fresh numbers."""
+    return {"step": step, "loss": float(rng.uniform(0.5, 3.0)),
+            "accuracy": float(rng.uniform()), "learning_rate": float(rng.uniform(0, 1e-2)),
+            "tokens_per_s": float(rng.uniform(1e3, 1e5)), "elapsed_s": float(rng.uniform(1, 9))}
+
+
+def eval_record(step: int, rng: np.random.Generator) -> dict:
+    """An evaluation record as a run writes it, of fresh numbers."""
+    return {"step": step, "eval_token_accuracy": float(rng.uniform()),
+            "eval_exact_match": float(rng.uniform()), "eval_s": float(rng.uniform(0.1, 2))}
+
+
+RECORDS = [log_record(1, np.random.default_rng(1)), eval_record(1, np.random.default_rng(2)),
+           log_record(2, np.random.default_rng(3))]
 
 
 class _FullDisk(io.RawIOBase):
@@ -39,16 +55,34 @@ class _FullDisk(io.RawIOBase):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.mark.parametrize("line", [b"\xff\xfe garbage", b"5", b'{"loss": 1}', b'{"step": "2"}',
-                                  b'{"step": 1.5}', b"[1, 2]", b'{"step": 2, "loss"'])
+def _damaged(record: dict, **changes) -> bytes:
+    """record's line with changes (a value None: the key removed)."""
+    changed = {**record, **changes}
+    return json.dumps({k: v for k, v in changed.items() if v is not None}).encode()
+
+
+@pytest.mark.parametrize("line", [
+    b"\xff\xfe garbage", b"5", b"[1, 2]", _damaged(RECORDS[0])[:30],
+    _damaged(RECORDS[0], step=None, loss=1.0), _damaged(RECORDS[0], step="2"),
+    _damaged(RECORDS[0], step=1.5), _damaged(RECORDS[0], step=2, accuracy=None),
+    _damaged(RECORDS[0], step=2, accuracy=None, accuracz=0.5),
+    _damaged(RECORDS[1], step=2, eval_exact_match="1"),
+    _damaged(RECORDS[1], step=2, eval_s=True), _damaged(RECORDS[0], step=2, loss=None),
+    _damaged(RECORDS[0], step=2, learning_rate=float("nan")),
+    _damaged(RECORDS[1], step=2, eval_token_accuracy=float("inf")),
+    _damaged(RECORDS[0], step=2, eval_s=1.0)], ids=lambda line: str(line[:12]))
 def test_a_damaged_metrics_line_is_dropped_with_what_follows_as_a_torn_one(tmp_path, line):
-    """Bytes that are not UTF-8, JSON that is not an object with an int "step": the line
-    and what follows are dropped, as for the torn last line of a killed process, and
-    the records lost with it are told; a damaged last line, or one followed only by
-    steps past the resumed one (dropped anyway), is not."""
+    """Bytes that are not UTF-8, JSON that is not a log or an evaluation record (an int
+    "step" and the finite numbers of the record's keys, no other): the line and what
+    follows are dropped, as for the torn last line of a killed process, and the
+    records lost with it are told; a damaged last line, or one followed only by steps
+    past the resumed one (dropped anyway), is not. (A record of another key, or of a
+    key missing, had ended the run in a KeyError as curves.png was drawn.)"""
     path = tmp_path / "metrics.jsonl"
     valid = b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS)
-    later = b'{"step": 3, "loss": 2.0}\n{"step": 4, "loss": 1.5}\n'
+    rng = np.random.default_rng(int.from_bytes(line[:4].ljust(4), "little"))
+    later = b"".join(json.dumps(r).encode() + b"\n"
+                     for r in (log_record(3, rng), log_record(4, rng)))
     for rest, resume_step, warned in ((later, 10, [f"{path} line {len(RECORDS) + 1} is "
                                                    f"damaged: it and the 2 records after "
                                                    f"it (steps 3 to 4) are dropped"]),
@@ -62,6 +96,37 @@ def test_a_damaged_metrics_line_is_dropped_with_what_follows_as_a_torn_one(tmp_p
         assert warnings == warned
 
 
+@pytest.mark.parametrize("where", [2, 5, 7])
+@pytest.mark.parametrize("step", ["later", "earlier", "twice"])
+def test_a_step_out_of_order_is_a_damaged_line(tmp_path, where, step):
+    """A run writes its records in order of step, a log record before its step's
+    evaluation: a line whose step is out of that order (a digit changed since, a line
+    written twice) is damaged, dropped with what follows and told (a step made later
+    had been taken as the run's end: the intact records after it dropped, and the
+    warning said the file held none)."""
+    rng = np.random.default_rng(where)
+    every = int(rng.integers(2, 5))
+    records = [make(s * every, rng) for s in range(1, 6) for make in (log_record, eval_record)]
+    resume = 5 * every
+    lines = [json.dumps(r).encode() + b"\n" for r in records]
+    if step == "twice":
+        lines[where] = lines[where - 1]
+    else:
+        changed = (records[where]["step"] + 10 * every + 1 if step == "later" else
+                   records[where - 2]["step"] - 1)
+        lines[where] = _damaged(records[where], step=changed) + b"\n"
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"".join(lines))
+    warnings = []
+    log = MetricsLog(path, resume_step=resume, warn=warnings.append, log_every=every)
+    log.close()
+    assert log.records == records[:where]
+    lost = records[where + 1:]
+    assert warnings == [f"{path} line {where + 1} is damaged: it and the {len(lost)} records "
+                        f"after it (steps {lost[0]['step']} to {lost[-1]['step']}) are "
+                        f"dropped"]
+
+
 def test_records_missing_before_the_resumed_step_are_told(tmp_path):
     """A metrics.jsonl cut short (mid-line or at a line's end), or deleted, loses
     records of steps the run resumes after and never writes again: told, with the
@@ -69,7 +134,7 @@ def test_records_missing_before_the_resumed_step_are_told(tmp_path):
     rng = np.random.default_rng(7)
     every = int(rng.integers(2, 6))
     steps = list(range(every, 12 * every + 1, every))
-    records = [{"step": s, "loss": float(rng.uniform(0.5, 3.0))} for s in steps]
+    records = [log_record(s, rng) for s in steps]
     lines = [json.dumps(r).encode() + b"\n" for r in records]
     path = tmp_path / "metrics.jsonl"
     resume = steps[-1] + int(rng.integers(0, every))   # an interruption between log steps

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -14,6 +15,11 @@ from attnjax.toy.tasks import exact_matches
 
 # Keys of a metrics record that measure wall time; everything else is reproducible.
 TIMING_KEYS = ("elapsed_s", "tokens_per_s", "eval_s")
+# The two records a run writes: one per log step, one per evaluation (after the log
+# record of its step).
+LOG_KEYS = frozenset({"step", "loss", "accuracy", "learning_rate", "tokens_per_s",
+                      "elapsed_s"})
+EVAL_KEYS = frozenset({"step", "eval_token_accuracy", "eval_exact_match", "eval_s"})
 
 
 # TensorBoard's event files, written beside metrics.jsonl
@@ -51,10 +57,14 @@ class MetricsLog:
             return
         if self.path.exists():
             lines = self.path.read_bytes().splitlines()
-            for number, line in enumerate(lines, 1):
-                record = _record(line)
+            records = [_record(line) for line in lines]
+            for number, record in enumerate(records, 1):
+                if record is not None and _out_of_order(
+                        self.records[-1] if self.records else None, record,
+                        records[number:number + 2]):
+                    record = None   # a step number damaged since
                 if record is None:
-                    lost = [r for r in map(_record, lines[number:])
+                    lost = [r for r in records[number:]
                             if r is not None and r["step"] <= resume_step]
                     if lost and warn is not None:
                         warn(f"{self.path} line {number} is damaged: it and the "
@@ -135,15 +145,30 @@ def _event(step: int, **fields):
 
 def _record(line: bytes) -> dict | None:
     """The record of a metrics.jsonl line; None for a line no run wrote whole: torn by a
-    killed process, or damaged since (not UTF-8, not JSON, not an object with an int
-    "step")."""
+    killed process, or damaged since (not UTF-8, not JSON, not a log or an evaluation
+    record of an int "step" and finite numbers)."""
     try:
         record = json.loads(line.decode("utf-8"))
     except ValueError:  # UnicodeDecodeError or JSONDecodeError
         return None
-    if not isinstance(record, dict) or type(record.get("step")) is not int:
+    if (not isinstance(record, dict) or record.keys() not in (LOG_KEYS, EVAL_KEYS)
+            or type(record["step"]) is not int):
+        return None
+    if not all(type(v) in (int, float) and math.isfinite(v) for v in record.values()):
         return None
     return record
+
+
+def _out_of_order(before: dict | None, record: dict, after: list) -> bool:
+    """Whether a record is out of the order a run writes (by step, a log record before
+    its step's evaluation), damaged since: it does not follow the record kept before it,
+    or it stands after both records that follow it (one record out of order with the
+    next: that next one is damaged unless the one after it is out of order too)."""
+    order = lambda r: (r["step"], "loss" not in r)  # noqa: E731
+    if before is not None and order(record) <= order(before):
+        return True
+    return len(after) == 2 and None not in after and all(
+        order(record) >= order(r) for r in after)
 
 
 class Progress:
@@ -227,18 +252,21 @@ def curves_figure(records: list[dict]):
                                                        layout="constrained")
     steps = [r["step"] for r in logs]
     eval_steps = [r["step"] for r in evals]
-    loss_line, = ax_loss.plot(steps, [r["loss"] for r in logs], color="C0",
+    # one log step (steps=1, or fewer steps than log_every): a line of one point draws
+    # nothing, its marker does
+    point = "o" if len(steps) == 1 else None
+    loss_line, = ax_loss.plot(steps, [r["loss"] for r in logs], color="C0", marker=point,
                               label="train loss (label-smoothed)")
     ax_loss.set(xlabel="step", ylabel="loss", yscale="log", title="loss and learning rate")
     ax_lr = ax_loss.twinx()
     lr_line, = ax_lr.plot(steps, [r["learning_rate"] for r in logs], color="C3",
-                          linestyle="--", label="learning rate")
+                          linestyle="--", marker=point, label="learning rate")
     ax_lr.set_ylabel("learning rate", color="C3")
     ax_lr.tick_params(axis="y", labelcolor="C3")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     # on the right axis, which is drawn above the left one's lines
     ax_lr.legend(handles=[loss_line, lr_line], fontsize=9, loc="upper right", framealpha=0.9)
-    ax_tokens.plot(steps, [r["accuracy"] for r in logs], color="C0",
+    ax_tokens.plot(steps, [r["accuracy"] for r in logs], color="C0", marker=point,
                    label="train (teacher forced)")
     ax_tokens.plot(eval_steps, [r["eval_token_accuracy"] for r in evals], color="C1",
                    marker="o", linestyle=":", label="held-out (greedy)")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -153,6 +154,30 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, float32):
                 interactive=False)
     records = _records(tmp_path / "run")
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+
+
+def test_a_run_that_diverges_after_logging_draws_its_curves(tmp_path, monkeypatch, float32):
+    """The loss turns NaN at a random step after some were logged: the run stops naming
+    it, and curves.png shows the steps logged before it (drawn as a run ends otherwise,
+    so a diverged run had none)."""
+    at = int(np.random.default_rng().integers(7, 15))
+    add = cli._Window.add
+    steps = []
+
+    def add_nan_from(self, metrics):
+        steps.append(None)
+        add(self, {**metrics, "loss": metrics["loss"] * jnp.nan} if len(steps) >= at
+            else metrics)
+
+    monkeypatch.setattr(cli._Window, "add", add_nan_from)
+    workdir = tmp_path / "run"
+    with pytest.raises(cli.TrainingDiverged, match=rf"the loss is nan at step {at}; training "
+                       rf"stopped. Last good checkpoint: step {at - 1 - (at - 1) % 5} .*; "
+                       rf"{workdir / 'curves.png'} shows the steps logged before it$"):
+        cli.run(tiny("log_every=1", "checkpoint_every=5"), workdir,
+                mesh=children.one_device_mesh(), interactive=False)
+    assert [r["step"] for r in _records(workdir)] == list(range(1, at))
+    assert (workdir / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 
 # Mistakes found before training starts. A bad config is read in process (main's return

@@ -397,6 +397,19 @@ class StopRequests:
         self._previous = {}
 
 
+def _curves_before(workdir: Path, metrics: MetricsLog | None, primary: bool) -> str:
+    """curves.png of the steps logged before a run diverged, where it has any (the curves
+    are otherwise drawn as a run ends), by the process that writes the metrics; what to
+    add to its message."""
+    if not primary or metrics is None or not any("loss" in r for r in metrics.records):
+        return ""
+    try:
+        plot_curves(workdir / "curves.png", metrics.records)
+    except OSError:
+        return ""
+    return f"; {workdir / 'curves.png'} shows the steps logged before it"
+
+
 def _evaluate(model, params, task, eval_batch, config, step: int, mesh):
     start = time.perf_counter()
     predictions = training.predict(model, task, params, eval_batch, config.eval_batch_size, mesh)
@@ -601,7 +614,7 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
                                    f"resume")
     except TrainingDiverged as e:
         raise TrainingDiverged(f"{e}; training stopped. Last good checkpoint: "
-                               f"{kept()}") from None
+                               f"{kept()}{_curves_before(workdir, metrics, primary)}") from None
     except (OSError, CheckpointError, jax.errors.JaxRuntimeError) as e:
         # a collective that another process left (a save's included), or a file
         lost = ((getattr(e, "collective", False) or isinstance(e, jax.errors.JaxRuntimeError))

@@ -711,14 +711,17 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
         # Batch or heads sharded in their type (a mesh of Explicit axes): the user's
         # functions index arrays by the example and head indices, sharded there, and jax
         # cannot tell how to shard such a gather (`slopes[n]`: a ShardingTypeError). The
-        # kernel runs with the mesh's axes Auto, its results sharded as the query.
+        # kernel runs with the mesh's Explicit axes Auto, its results sharded as the query.
         b, _, n = (tuple(spec) + (None,) * 3)[:3]
         out_sharding = [heads.sharding(entries, query) for entries in (
             (b, None, n, None), (b, None, n), (b, n, None, None))]
         if not options.return_weights:
             out_sharding[2] = None
+        mesh = jax.typeof(query).sharding.mesh
+        explicit = tuple(axis for axis, kind in zip(mesh.axis_names, mesh.axis_types)
+                         if kind == jax.sharding.AxisType.Explicit)  # (not shard_map's)
         return jax.sharding.auto_axes(
-            functools.partial(_per_head_kernel, name, value_name=value_name),
+            functools.partial(_per_head_kernel, name, value_name=value_name), axes=explicit,
             out_sharding=tuple(out_sharding))(query, key, value, mask, score, options)
     return _per_head_kernel(name, query, key, value, mask, score, options, value_name)
 

@@ -167,6 +167,17 @@ def test_functions_of_the_indices_on_explicit_meshes(rng):
             for g, w in zip(got, want):
                 np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
             assert got[0].sharding.spec == spec
+        # inside a jax.shard_map manual over "data" only, heads still sharded in their
+        # type ("data" stays manual: only the Explicit axes turn Auto)
+        attend = functools.partial(attnjax.dot_product_attention,
+                                   score_mod=scores.alibi(slopes))
+        expected = attend(q, k, v)
+        for implementation in ("dense", "chunked"):
+            inner = jax.shard_map(functools.partial(attend, implementation=implementation),
+                                  in_specs=PartitionSpec("data"),
+                                  out_specs=PartitionSpec("data"), axis_names={"data"})
+            np.testing.assert_allclose(jax.jit(inner)(sq, sk, sv), expected,
+                                       rtol=1e-5, atol=1e-6)
     # outside jax.set_mesh: arrays put on the mesh, batch and heads or the sequence
     # sharded, eager and under jit
     expected = jax.nn.dot_product_attention(q, k, v, is_causal=True)

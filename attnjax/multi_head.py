@@ -21,7 +21,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, ArrayLike, Float
 
-from attnjax import _checks
+from attnjax import _checks, heads
 from attnjax.attention import dot_product_attention
 
 Params = dict[str, dict[str, Array]]
@@ -231,8 +231,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
             and preferred_element_type in (None, lhs.dtype) and lhs.dtype == rhs.dtype
             and _reads_transposed(lhs)):
         return _product_read_transposed(lhs, rhs, 1, precision)
-    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                           preferred_element_type=preferred_element_type, **kwargs)
+    return _dot(lhs, rhs, dimension_numbers, precision,
+                preferred_element_type=preferred_element_type, **kwargs)
 
 
 def _reads_transposed(x) -> bool:
@@ -245,8 +245,33 @@ def _reads_transposed(x) -> bool:
 
 def _product(x, kernel, fan_in_axes: int, precision, dot_general=lax.dot_general):
     contract = tuple(range(x.ndim - fan_in_axes, x.ndim))
-    return dot_general(x, kernel, ((contract, tuple(range(fan_in_axes))), ((), ())),
-                       precision=precision)
+    dims = ((contract, tuple(range(fan_in_axes))), ((), ()))
+    if dot_general is lax.dot_general:
+        return _dot(x, kernel, dims, precision)
+    return dot_general(x, kernel, dims, precision=precision)
+
+
+def _dot(lhs, rhs, dims, precision, **kwargs):
+    """lax.dot_general(lhs, rhs, dims). Where contracted axes are sharded in their types
+    (a mesh of Explicit axes: the output projection's heads and kernel split by heads,
+    Megatron's layout), jax asks where the sum goes: a product of no batch axes goes
+    sharded as lhs's free axes and then rhs's (each mesh axis once), summed over the
+    others."""
+    (lhs_contract, rhs_contract), batch = dims
+    specs = [heads.explicit_spec(x) for x in (lhs, rhs)]
+    if None not in specs and batch == ((), ()) and "out_sharding" not in kwargs:
+        lhs_spec, rhs_spec = (tuple(spec) + (None,) * (x.ndim - len(spec))
+                              for spec, x in zip(specs, (lhs, rhs)))
+        if any(lhs_spec[a] is not None for a in lhs_contract):
+            entries, used = [], set()
+            for spec, contract in ((lhs_spec, lhs_contract), (rhs_spec, rhs_contract)):
+                for a, entry in enumerate(spec):
+                    names = set(entry if isinstance(entry, tuple) else (entry,)) - {None}
+                    if a not in contract:
+                        entries.append(None if names & used else entry)
+                        used |= names
+            kwargs["out_sharding"] = heads.sharding(entries, lhs)
+    return lax.dot_general(lhs, rhs, dims, precision=precision, **kwargs)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
@@ -272,11 +297,13 @@ def _product_read_transposed_jvp(fan_in_axes, precision, primals, tangents):
         terms.append(_product(d_x, kernel, fan_in_axes, precision))
     if not isinstance(d_kernel, SymbolicZero):  # a frozen kernel costs no copy of x
         fan_in = math.prod(kernel.shape[:fan_in_axes])
-        # [fan-in, rows]
-        x_t = lax.optimization_barrier(x.reshape(-1, fan_in).T)
-        terms.append(lax.dot_general(x_t, d_kernel.reshape(fan_in, -1),
-                                     (((0,), (0,)), ((), ())), precision=precision
-                                     ).reshape(y.shape))
+        # [fan-in, rows]. Each reshape here merges or splits the axes of one side only:
+        # one of both is ambiguous to jax where x's batch is sharded in its type.
+        rows = x.shape[:x.ndim - fan_in_axes]
+        x_t = lax.optimization_barrier(x.reshape(rows + (fan_in,)).reshape(-1, fan_in).T)
+        # [rows, fan-out], then its rows split, then its fan-out
+        d_y = _dot(x_t, d_kernel.reshape(fan_in, -1), (((0,), (0,)), ((), ())), precision)
+        terms.append(d_y.reshape(rows + d_y.shape[-1:]).reshape(y.shape))
     return y, sum(terms[1:], terms[0]) if terms else jnp.zeros_like(y)
 
 

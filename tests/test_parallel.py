@@ -2,6 +2,7 @@
 processes on 127.0.0.1 (gloo), each matching a one-device run step for step. (One of
 two processes killed or signalled: test_faults.py.)"""
 
+import contextlib
 import functools
 import json
 import subprocess
@@ -196,6 +197,46 @@ def test_functions_of_the_indices_on_explicit_meshes(rng):
     np.testing.assert_allclose(
         attnjax.dot_product_attention(*(jax.device_put(a, by_sequence) for a in (q, k, v)),
                                       is_causal=True), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_layers_train_on_explicit_meshes(rng):
+    """Training an attention layer and a feed-forward on a mesh of Explicit axes, the
+    batch on "data": gradients (of the parameters and the inputs) those of the
+    unsharded step, with the parameters replicated or in the Megatron layout by heads
+    and hidden units (the projections' kernel gradient had been jax's
+    ShardingTypeError at a reshape; the output projections, which sum over the split
+    axis, one asking where the sum goes), under jax.set_mesh and without."""
+    from attnjax import nn, scores
+
+    x = jax.random.normal(rng, (4, 6, 16), jnp.float32)
+    attention = nn.MultiHeadDotProductAttention(
+        num_heads=4, num_kv_heads=2, score_mod=scores.alibi(scores.alibi_slopes(4)))
+    feed_forward = nn.FeedForward(d_ff=32)
+    keys = jax.random.split(rng, 2)
+    params = {"attention": attention.init(keys[0], x)["params"],
+              "feed_forward": feed_forward.init(keys[1], x)["params"]}
+
+    def loss(params, x):
+        y = attention.apply({"params": params["attention"]}, x, is_causal=True)
+        return jnp.sum(feed_forward.apply({"params": params["feed_forward"]}, y) ** 2)
+
+    grads = jax.grad(loss, argnums=(0, 1))
+    want = grads(params, x)
+    mesh = jax.make_mesh((2, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    on_mesh = functools.partial(jax.sharding.NamedSharding, mesh)
+    megatron = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: on_mesh(mesh_lib.partition_spec(path, leaf)), params)
+    assert megatron["attention"]["out"]["kernel"].spec == PartitionSpec("model", None, None)
+    for layout, context in ((megatron, jax.set_mesh(mesh)),
+                            (jax.tree.map(lambda _: on_mesh(PartitionSpec()), params),
+                             contextlib.nullcontext())):
+        with context:
+            got = jax.jit(grads)(jax.device_put(params, layout),
+                                 jax.device_put(x, on_mesh(PartitionSpec("data"))))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+        assert got[1].sharding.spec[0] == "data"
 
 
 def test_attention_on_explicit_meshes_and_inside_shard_map(rng, monkeypatch):

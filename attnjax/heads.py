@@ -93,6 +93,17 @@ def reshard(x, entries, like=None):
     return jax.sharding.reshard(x, sharding(entries, x if like is None else like))
 
 
+def take_rows(table, ids, mode=None):
+    """`jnp.take(table, ids, axis=0, mode=mode)`: rows of table `[V, ...]` for int ids
+    `[...]`. Where ids are sharded in their type (a mesh of Explicit axes), the rows go
+    sharded as the ids (jax cannot tell how else: a ShardingTypeError)."""
+    spec = explicit_spec(ids)
+    if spec is None:
+        return jnp.take(table, ids, axis=0, mode=mode)
+    entries = tuple(spec) + (None,) * (ids.ndim - len(spec) + table.ndim - 1)
+    return table.at[ids].get(mode=mode, out_sharding=sharding(entries, ids))
+
+
 def _sharded_alike(args, leaf_axes):
     """args with every mapped axis sharded as the first mapped leaf's: vmap needs it
     where shardings are part of the types (a per-example length or index made without

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from attnjax import _checks, masks
+from attnjax import _checks, heads, masks
 
 _LOG = logging.getLogger("attnjax")
 _SIZED = threading.local()
@@ -119,11 +119,25 @@ def append(cached_key, cached_value, index, key, value) -> Appended:
     start = jnp.maximum(jnp.asarray(index).astype(jnp.int32), 0) if traced else jnp.int32(index)
     zero = jnp.int32(0)
     at = (zero,) * (key.ndim - 3) + (start, zero, zero)
+    cached_key, cached_value = _sharded_as_new(cached_key, cached_value, key)
     cached_key = lax.dynamic_update_slice(cached_key, key, at)
     cached_value = lax.dynamic_update_slice(cached_value, value, at)
     positions = (start + jnp.arange(new, dtype=jnp.int32),
                  jnp.arange(capacity, dtype=jnp.int32))
     return Appended(cached_key, cached_value, start + new, positions)
+
+
+def _sharded_as_new(cached_key, cached_value, key):
+    """The caches sharded as the new keys (their length axis whole), where those are
+    sharded in their type (a mesh of Explicit axes) and the caches are not so: a cache
+    made from a shape alone (`init_cache`) meets keys of a batch split over devices."""
+    spec = heads.explicit_spec(key)
+    if spec is None:
+        return cached_key, cached_value
+    entries = list(tuple(spec) + (None,) * (key.ndim - len(spec)))
+    entries[-3] = None
+    return tuple(x if heads.explicit_spec(x) == jax.sharding.PartitionSpec(*entries)
+                 else heads.reshard(x, entries, key) for x in (cached_key, cached_value))
 
 
 def visible(mask: masks.Mask, appended: Appended) -> masks.Mask:

@@ -239,6 +239,75 @@ def test_layers_train_on_explicit_meshes(rng):
         assert got[1].sharding.spec[0] == "data"
 
 
+def test_models_train_on_explicit_meshes(rng):
+    """The models (linen and nnx) on a mesh of Explicit axes, tokens and positions split
+    by examples on "data": gradients those of the unsharded step, parameters in the
+    Megatron layout (under jax.set_mesh) or replicated (without it) (flax's token lookup, and the learned positions',
+    had been jax's ShardingTypeError: a gather by sharded ids); and decoding on the KV
+    cache (linen's generate, nnx's steps)."""
+    from flax import nnx
+
+    import attnjax.nnx
+    from attnjax import nn
+
+    keys = jax.random.split(rng, 3)
+    tokens = jax.random.randint(keys[0], (4, 8), 0, 16)
+    positions = jnp.sort(jax.random.randint(keys[1], (4, 8), 0, 16), axis=1)
+    kw = dict(d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_len=16,
+              positional="learned")
+    lm_config = nn.DecoderOnlyConfig(vocab_size=16, num_layers=1, **kw)
+    linen_lm = nn.DecoderOnly(lm_config)
+    graphdef, state = nnx.split(attnjax.nnx.DecoderOnly(lm_config, rngs=nnx.Rngs(3)))
+
+    def score(logits):
+        return jnp.sum(jax.nn.log_softmax(logits) ** 2)
+
+    losses = {
+        "linen DecoderOnly": (lambda p, t, q: score(linen_lm.apply(
+            {"params": p}, t, positions=q, deterministic=True)),
+            linen_lm.init(keys[2], tokens)["params"]),
+        "nnx DecoderOnly": (lambda p, t, q: score(nnx.merge(graphdef, p)(
+            t, positions=q, deterministic=True)), state)}
+    mesh = jax.make_mesh((2, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    on_mesh = functools.partial(jax.sharding.NamedSharding, mesh)
+    by_example = on_mesh(PartitionSpec("data"))
+    for name, (loss, params) in losses.items():
+        want = jax.grad(loss)(params, tokens, positions)
+        megatron = name.startswith("linen D")
+        layout = jax.tree_util.tree_map_with_path(lambda path, leaf: on_mesh(
+            mesh_lib.partition_spec(path, leaf) if megatron else PartitionSpec()), params)
+        with jax.set_mesh(mesh) if megatron else contextlib.nullcontext():
+            got = jax.jit(jax.grad(loss))(jax.device_put(params, layout),
+                                          jax.device_put(tokens, by_example),
+                                          jax.device_put(positions, by_example))
+        # (atol on the largest gradient's scale: the key bias's is zero to rounding)
+        scale = max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * scale, err_msg=name)
+    # generation on the KV cache, the prompt split by examples (its cache had been made
+    # without a sharding, and the first keys written to it were jax's ShardingTypeError)
+    params = losses["linen DecoderOnly"][1]
+    want = nn.generate(linen_lm, params, tokens[:, :4], max_new_tokens=3)
+    with jax.set_mesh(mesh):
+        got = nn.generate(linen_lm, params, jax.device_put(tokens[:, :4], by_example),
+                          max_new_tokens=3)
+    np.testing.assert_array_equal(got, want)
+    assert got.sharding.spec[0] == "data"
+    # nnx's decoding, its cache sized by init_cache (made without a sharding): the
+    # prompt, then a token at a time, as the whole sequence
+    model = attnjax.nnx.DecoderOnly(lm_config, decode=True, rngs=nnx.Rngs(3))
+    model.init_cache(4, 8)
+    want = nnx.merge(graphdef, state)(tokens[:, :6], deterministic=True)
+    with jax.set_mesh(mesh):
+        split = jax.device_put(tokens[:, :6], by_example)
+        step = nnx.jit(lambda model, tokens: model(tokens, deterministic=True))
+        got = jnp.concatenate([step(model, split[:, :3])] + [
+            step(model, split[:, i:i + 1]) for i in range(3, 6)], axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert got.sharding.spec[0] == "data"
+
+
 def test_attention_on_explicit_meshes_and_inside_shard_map(rng, monkeypatch):
     """jax.make_mesh's default mesh (Explicit axes, shardings in the types) under
     jax.set_mesh, batch and heads sharded: every kernel, None and the modules run as

@@ -404,8 +404,9 @@ class MultiHeadDotProductAttention(nn.Module):
         """Append the new keys/values `[batch..., T, K, ·]` to the "cache" collection
         (`attnjax.kv_cache.append`); None on the call that creates the cache."""
         initialised = self.has_variable("cache", "cached_key")
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        # (zeros like the keys: sharded as they are where that is in their type)
+        cached_key = self.variable("cache", "cached_key", jnp.zeros_like, key)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros_like, value)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         if not initialised:
             return None

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from attnjax import _checks, kv_cache
+from attnjax import _checks, heads, kv_cache
 from attnjax.nn.attention import PROJECTED_KEY_VALUE
 from attnjax.nn.models import DecoderOnly, Transformer, check_tokens
 
@@ -57,7 +57,8 @@ def _check_model(function: str, model, kind: type, other: str) -> None:
 def _empty_cache(model, *args, method=None):
     """The zero-filled "cache" collection a decode=True model starts from."""
     shapes = jax.eval_shape(functools.partial(model.init, method=method), jax.random.key(0), *args)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+    # (a zeros_like of the shape keeps its sharding where it is in its type)
+    return jax.tree.map(jnp.zeros_like, shapes["cache"])
 
 
 def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len: int,
@@ -280,6 +281,16 @@ def _roll_rows(x, shift):
     return jnp.take_along_axis(x, columns % x.shape[1], axis=1)
 
 
+def _batch_sharded_as(x, ref):
+    """x `[B, ...]` with its batch sharded as ref's, where ref's is in its type (a mesh of
+    Explicit axes): a cache made from it takes the prompt's keys, and the tokens join the
+    prompt's."""
+    spec = heads.explicit_spec(ref)
+    if spec is None:
+        return x
+    return heads.reshard(x, (tuple(spec)[0],) + (None,) * (x.ndim - 1), ref)
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature"))
 @kv_cache.sized_for_every_append()   # (see _greedy_decode)
 def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tokens: int,
@@ -288,7 +299,7 @@ def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tok
     rng = jax.random.key(0) if rng is None else rng
     decoder = model.clone(decode=True, deterministic=True)   # decoding never drops out
     total = _tokens_read(p, max_new_tokens)
-    cache = _empty_cache(decoder, jnp.zeros((b, total), jnp.int32))
+    cache = _empty_cache(decoder, _batch_sharded_as(jnp.zeros((b, total), jnp.int32), prompt))
     # [B]: the cache slot of each example's first token
     start = jnp.zeros((b,), jnp.int32) if prompt_lengths is None else (
         p - jnp.asarray(prompt_lengths, jnp.int32))
@@ -309,8 +320,8 @@ def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tok
 
     logits, variables = decoder.apply({"params": params, "cache": cache}, prompt,
                                       positions=positions[:, :p], mask=mask, mutable=["cache"])
-    tokens = jnp.concatenate([prompt.astype(jnp.int32),
-                              jnp.zeros((b, max_new_tokens), jnp.int32)], axis=1)
+    tokens = jnp.concatenate([prompt.astype(jnp.int32), _batch_sharded_as(
+        jnp.zeros((b, max_new_tokens), jnp.int32), prompt)], axis=1)
     first = pick(logits[:, -1], jax.random.fold_in(rng, 0))
     tokens = tokens.at[:, p].set(first)
 

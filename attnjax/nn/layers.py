@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from attnjax import multi_head
+from attnjax import heads, multi_head
 
 POSITIONAL = ("sinusoidal", "learned", "none")
 ACTIVATIONS = ("relu", "gelu")
@@ -117,5 +117,5 @@ class PositionalEncoding(nn.Module):
         else:
             full = self.param("embedding", nn.initializers.normal(0.02), (self.max_len, d_model))
             # Positions past the table read its last row.
-            table = jnp.take(full, positions, axis=0, mode="clip")
+            table = heads.take_rows(full, positions, mode="clip")
         return x + table.astype(x.dtype)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax import _checks, masks, scores
+from attnjax import _checks, heads, masks, scores
 from attnjax.attention import IMPLEMENTATIONS as ENGINE_IMPLEMENTATIONS
 from attnjax.nn.attention import MultiHeadAttention, check_score
 from attnjax.nn.layers import ACTIVATIONS, POSITIONAL, FeedForward, PositionalEncoding
@@ -360,12 +360,23 @@ class _Embed(nn.Module):
         # zeros and the model sees only its position.
         known = (tokens >= 0) & (tokens < self.vocab_size)
         # [B, L, D]
-        x = jnp.where(known[..., None], embed(jnp.where(known, tokens, 0)), 0.0)
+        x = jnp.where(known[..., None],
+                      _lookup(embed, jnp.where(known, tokens, 0), embed.embedding), 0.0)
         x = x * jnp.sqrt(jnp.float32(self.config.d_model))
         x = PositionalEncoding(self.config.max_len, self.config.positional, self.decode,
                                name="positions")(x, positions)
         x = nn.Dropout(self.config.dropout_rate)(x, deterministic=deterministic)
         return x.astype(jnp.dtype(self.config.dtype))
+
+
+def _lookup(embed, ids, table):
+    """`embed(ids)`, flax's lookup in `table` (a linen or nnx Embed's); where ids are
+    sharded in their type (a mesh of Explicit axes) its rows go sharded as the ids
+    (`heads.take_rows`: flax's own lookup is a ShardingTypeError there)."""
+    if heads.explicit_spec(ids) is None:
+        return embed(ids)
+    (table,) = nn.dtypes.promote_dtype(table, dtype=embed.dtype, inexact=False)
+    return heads.take_rows(table, ids)
 
 
 def _both(name_a: str, a, name_b: str, b) -> None:

@@ -296,9 +296,11 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
         appended = kv_cache.append(self.cached_key[...], self.cached_value[...],
                                    self.cache_index[...], key, value)
-        self.cached_key[...] = appended.key
-        self.cached_value[...] = appended.value
-        self.cache_index[...] = appended.index
+        # whole values replaced, not written into: the caches then take the keys'
+        # sharding where it is in their type (`kv_cache.append`)
+        self.cached_key.set_value(appended.key)
+        self.cached_value.set_value(appended.value)
+        self.cache_index.set_value(appended.index)
         return appended
 
     def _engine(self, query, key, value, mask, cached, is_causal, dropout_rate, dropout_rng,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from attnjax import scores
+from attnjax import heads, scores
 from attnjax.nn import models as linen_models
 from attnjax.nn.layers import ACTIVATIONS, POSITIONAL, _sinusoids_at, check_choice
 from attnjax.nn.models import (
@@ -100,7 +100,7 @@ class PositionalEncoding(nnx.Module):
             table = _sinusoids_at(positions, d_model)
         else:
             # Positions past the table read its last row.
-            table = jnp.take(self.embedding[...], positions, axis=0, mode="clip")
+            table = heads.take_rows(self.embedding[...], positions, mode="clip")
         return x + table.astype(x.dtype)
 
 
@@ -270,7 +270,8 @@ class _Embed(nnx.Module):
         # embeds as zeros, as in the linen model
         known = (tokens >= 0) & (tokens < self.vocab_size)
         # [B, L, D]
-        x = jnp.where(known[..., None], embed(jnp.where(known, tokens, 0)), 0.0)
+        x = jnp.where(known[..., None], linen_models._lookup(
+            embed, jnp.where(known, tokens, 0), embed.embedding[...]), 0.0)
         x = x * jnp.sqrt(jnp.float32(self.config.d_model))
         x = self.positions(x, positions)
         x = self.dropout(x, deterministic=deterministic, rngs=rngs)

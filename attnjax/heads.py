@@ -11,6 +11,10 @@ Each argument of a mapped function has one of three layouts:
 `group` lays `[B|1, N|1, ...]` arrays out as "heads"; `over_heads` maps a one-head
 function over B, K and G so that each head gets its own slice of every argument;
 `in_parts` runs a mapped function on consecutive parts of the batch.
+
+Where the batch or the heads are sharded in their types (a mesh of Explicit axes),
+`explicit_spec`, `sharding`, `reshard` and `take_rows` keep the shardings jax asks for
+(the kernels', the projections', the models' lookups and the KV cache's).
 """
 
 import jax

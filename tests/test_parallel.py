@@ -242,9 +242,9 @@ def test_layers_train_on_explicit_meshes(rng):
 def test_models_train_on_explicit_meshes(rng):
     """The models (linen and nnx) on a mesh of Explicit axes, tokens and positions split
     by examples on "data": gradients those of the unsharded step, parameters in the
-    Megatron layout (under jax.set_mesh) or replicated (without it) (flax's token lookup, and the learned positions',
-    had been jax's ShardingTypeError: a gather by sharded ids); and decoding on the KV
-    cache (linen's generate, nnx's steps)."""
+    Megatron layout (under jax.set_mesh) or replicated (without it). (flax's token
+    lookup, and the learned positions', had been jax's ShardingTypeError: a gather by
+    sharded ids.) And decoding on the KV cache (linen's generate, nnx's steps)."""
     from flax import nnx
 
     import attnjax.nnx

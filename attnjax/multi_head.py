@@ -124,9 +124,16 @@ def flat_fan_in_init(init, fan_in_axes: int):
         flat = (fan_in, fan_out) if fan_in_axes else (fan_out,)
         value = init(key, flat, dtype)
         # A boxed value (flax's nn.with_partitioning) keeps its metadata, as in flax;
-        # duck-typed so that this pure layer does not import flax.
+        # duck-typed so that this pure layer does not import flax. Its sharding is
+        # the kernel's, not the flat matrix's: unboxed without it (flax's DenseGeneral
+        # applies it to the matrix, which fails under jax.set_mesh for a kernel with
+        # a head axis).
         if hasattr(value, "replace_boxed"):
-            return value.replace_boxed(jnp.reshape(value.unbox(), shape))
+            try:
+                flat_value = value.unbox(apply_constraint=False)
+            except TypeError:   # metadata whose unbox applies no constraint
+                flat_value = value.unbox()
+            return value.replace_boxed(jnp.reshape(flat_value, shape))
         return jnp.reshape(value, shape)
     return flat_init
 

@@ -92,6 +92,42 @@ def test_parameters_are_split_in_the_megatron_layout(float32):
                            for m in moments)
 
 
+def test_an_nnx_state_is_split_as_its_linen_tree(rng):
+    """mesh.shardings of an nnx model's State (leaves under a Variable's "value") gives
+    each parameter the Megatron split its linen tree gets (every leaf had been
+    replicated, silently); and a linen kernel with a head axis annotated by
+    nn.with_partitioning initialises under jax.set_mesh, the annotation its own (it had
+    been applied to the flattened matrix flax's initialiser sees: a ValueError)."""
+    import flax.linen as flax_nn
+    from flax import nnx
+
+    import attnjax.nnx
+    from attnjax import nn
+
+    config = nn.DecoderOnlyConfig(vocab_size=16, d_model=8, num_heads=2, d_ff=16,
+                                  num_layers=1)
+    model = attnjax.nnx.DecoderOnly(config, rngs=nnx.Rngs(int(jax.random.randint(
+        rng, (), 0, 1000))))
+    mesh = mesh_lib.make_mesh({"data": 2, "model": 2}, jax.devices()[:4])
+    by_state = mesh_lib.shardings(nnx.state(model, nnx.Param), mesh)
+    by_linen = mesh_lib.shardings(attnjax.nnx.to_linen_params(model), mesh)
+    specs = {jax.tree_util.keystr(path[:-1]): sharding.spec
+             for path, sharding in jax.tree_util.tree_leaves_with_path(by_state)}
+    assert specs == {jax.tree_util.keystr(path): sharding.spec
+                     for path, sharding in jax.tree_util.tree_leaves_with_path(by_linen)}
+    assert PartitionSpec(None, "model", None) in specs.values()
+    x = jax.random.normal(rng, (4, 4, 8), jnp.float32)
+    split = flax_nn.with_partitioning(flax_nn.initializers.lecun_normal(), (None, "model", None))
+    module = nn.MultiHeadDotProductAttention(num_heads=4, kernel_init=split)
+    auto = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(auto):
+        variables = jax.jit(module.init)(rng, x)
+    kernel = variables["params"]["query"]["kernel"]
+    assert kernel.names == (None, "model", None)
+    np.testing.assert_array_equal(kernel.value, nn.MultiHeadDotProductAttention(
+        num_heads=4).init(rng, x)["params"]["query"]["kernel"])
+
+
 def test_mesh_errors():
     with pytest.raises(ValueError, match="the mesh {'data': 3} needs 3 devices; there are 4"):
         mesh_lib.make_mesh({"data": 3}, jax.devices()[:4])

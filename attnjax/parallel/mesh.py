@@ -91,6 +91,10 @@ def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
 
 
 def _names(path) -> tuple[str, ...]:
+    """The names along a tree path; an nnx State's leaf (a Variable's "value") is named
+    by the path to its Variable, as the linen tree's is."""
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 

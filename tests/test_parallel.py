@@ -164,7 +164,7 @@ def test_two_processes_match_one_process(tmp_path, one_device):
                   if p.name.isdigit()) == [20, 40, 50]
 
 
-def test_functions_of_the_indices_on_explicit_meshes(rng):
+def test_functions_of_the_indices_on_explicit_meshes(rng, own_compiled_programs):
     """On a mesh of Explicit axes, batch and heads sharded in their types: a score_mod
     and a from_fn mask that index arrays by the example and the head (scores.alibi's
     slopes[n], a traced table[n], lengths[b]) run in both kernels, values and
@@ -235,7 +235,7 @@ def test_functions_of_the_indices_on_explicit_meshes(rng):
                                       is_causal=True), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_layers_train_on_explicit_meshes(rng):
+def test_layers_train_on_explicit_meshes(rng, own_compiled_programs):
     """Training an attention layer and a feed-forward on a mesh of Explicit axes, the
     batch on "data": gradients (of the parameters and the inputs) those of the
     unsharded step, with the parameters replicated or in the Megatron layout by heads
@@ -275,7 +275,7 @@ def test_layers_train_on_explicit_meshes(rng):
         assert got[1].sharding.spec[0] == "data"
 
 
-def test_models_train_on_explicit_meshes(rng):
+def test_models_train_on_explicit_meshes(rng, own_compiled_programs):
     """The models (linen and nnx) on a mesh of Explicit axes, tokens and positions split
     by examples on "data": gradients those of the unsharded step, parameters in the
     Megatron layout (under jax.set_mesh) or replicated (without it). (flax's token

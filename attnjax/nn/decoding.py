@@ -57,8 +57,7 @@ def _check_model(function: str, model, kind: type, other: str) -> None:
 def _empty_cache(model, *args, method=None):
     """The zero-filled "cache" collection a decode=True model starts from."""
     shapes = jax.eval_shape(functools.partial(model.init, method=method), jax.random.key(0), *args)
-    # (a zeros_like of the shape keeps its sharding where it is in its type)
-    return jax.tree.map(jnp.zeros_like, shapes["cache"])
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
 
 
 def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len: int,
@@ -283,8 +282,7 @@ def _roll_rows(x, shift):
 
 def _batch_sharded_as(x, ref):
     """x `[B, ...]` with its batch sharded as ref's, where ref's is in its type (a mesh of
-    Explicit axes): a cache made from it takes the prompt's keys, and the tokens join the
-    prompt's."""
+    Explicit axes): the new tokens join the prompt's."""
     spec = heads.explicit_spec(ref)
     if spec is None:
         return x
@@ -299,7 +297,7 @@ def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tok
     rng = jax.random.key(0) if rng is None else rng
     decoder = model.clone(decode=True, deterministic=True)   # decoding never drops out
     total = _tokens_read(p, max_new_tokens)
-    cache = _empty_cache(decoder, _batch_sharded_as(jnp.zeros((b, total), jnp.int32), prompt))
+    cache = _empty_cache(decoder, jnp.zeros((b, total), jnp.int32))
     # [B]: the cache slot of each example's first token
     start = jnp.zeros((b,), jnp.int32) if prompt_lengths is None else (
         p - jnp.asarray(prompt_lengths, jnp.int32))

@@ -107,6 +107,17 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 from jaxtyping import install_import_hook  # noqa: E402
 
+# The libraries attnjax imports, imported before the hook: while the hook loads a module
+# of attnjax, Python looks for the compiled bytecode of every module that module imports
+# first under a name of the hook's own, finds none and compiles the source (1,389
+# modules, 3 s of each of the suite's processes, where PYTHONDONTWRITEBYTECODE is set).
+import beartype  # noqa: E402,F401
+import flax.linen  # noqa: E402,F401
+import flax.nnx  # noqa: E402,F401
+import optax  # noqa: E402,F401
+import orbax.checkpoint  # noqa: E402,F401
+import yaml  # noqa: E402,F401
+
 with install_import_hook("attnjax", "beartype.beartype"):
     import attnjax  # noqa: E402,F401
     import attnjax.kv_cache  # noqa: E402,F401

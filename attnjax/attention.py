@@ -706,6 +706,11 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
     """The kernel `name` for every example and head: out `[B, T, N, V]`, log-sum-exp
     `[B, T, N]`, weights `[B, N, T, S]` or None. The value alone (no derivative taken)
     runs on the kernel `value_name` (default: `name`)."""
+    # the query's batch sharding for every array of the call (keys put on a mesh beside
+    # a query that is not, lengths split by examples beside unsplit inputs), as the
+    # results and the chunked kernel's accumulators take the query's
+    query, (key, value, mask, score, options) = heads.batch_sharded_as(
+        query, (key, value, mask, score, options))
     spec = heads.explicit_spec(query)
     if spec is not None and any(tuple(spec)[:3]) and _user_functions(mask, score):
         # Batch or heads sharded in their type (a mesh of Explicit axes): the user's

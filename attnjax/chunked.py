@@ -241,9 +241,10 @@ def _sharded_as(tree, ref, axes: int):
     """tree's leaves sharded as ref's first `axes` axes, on a mesh of Explicit axes
     (jax.make_mesh's default under jax.set_mesh), where shardings are part of the
     types: a loop's carry, made of constants, has none, and its body's results those of
-    the sharded inputs they are computed from. Elsewhere tree as it is."""
+    the inputs on the mesh they are computed from (replicated ones too). Elsewhere tree
+    as it is."""
     spec = None if ref is None else heads.explicit_spec(ref)
-    if spec is None or all(entry is None for entry in spec):
+    if spec is None:
         return tree
 
     def shard(x):

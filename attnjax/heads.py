@@ -97,6 +97,35 @@ def reshard(x, entries, like=None):
     return jax.sharding.reshard(x, sharding(entries, x if like is None else like))
 
 
+def batch_sharded_as(like, tree):
+    """`(like, tree)` with every leaf of tree `[B, ...]` sharded on its batch axis as
+    like `[B, ...]` is, where either is sharded in its type (a mesh of Explicit axes):
+    the arrays of one call mapped or carried together over the batch need one sharding
+    of it (jax's vmap, the chunked kernel's loops). like, made without the mesh in its
+    type beside leaves on it, joins the mesh replicated. Leaves of another leading size
+    (a unit axis, shared) are left as they are."""
+    spec = explicit_spec(like)
+    if spec is None:
+        on_mesh = [x for x in jax.tree.leaves(tree) if explicit_spec(x) is not None]
+        if not on_mesh:
+            return like, tree
+        like, spec = reshard(like, (None,) * like.ndim, on_mesh[0]), ()
+    want = tuple(spec)[0] if spec else None
+    batch = like.shape[0]
+
+    def one(x):
+        if getattr(x, "ndim", 0) == 0 or x.shape[0] != batch:
+            return x
+        own = explicit_spec(x)
+        entries = list(own or ()) + [None] * (x.ndim - len(own or ()))
+        if own is not None and entries[0] == want:
+            return x
+        entries[0] = want
+        return reshard(x, entries, like)
+
+    return like, jax.tree.map(one, tree)
+
+
 def take_rows(table, ids, mode=None):
     """`jnp.take(table, ids, axis=0, mode=mode)`: rows of table `[V, ...]` for int ids
     `[...]`. Where ids are sharded in their type (a mesh of Explicit axes), the rows go
@@ -109,18 +138,20 @@ def take_rows(table, ids, mode=None):
 
 
 def _sharded_alike(args, leaf_axes):
-    """args with every mapped axis sharded as the first mapped leaf's: vmap needs it
-    where shardings are part of the types (a per-example length or index made without
-    a sharding, beside a query whose batch axis is sharded, is resharded to match)."""
-    pairs = [(leaf, axis) for arg, axes in zip(args, leaf_axes) if axes is not None
-             for leaf, axis in zip(jax.tree.leaves(arg),
-                                   jax.tree.leaves(axes, is_leaf=lambda a: a is None))
-             if axis is not None]
-    specs = [explicit_spec(leaf) for leaf, _ in pairs]
-    if not pairs or specs[0] is None:
+    """args with every mapped axis sharded as that of the first mapped leaf whose type
+    holds a mesh of Explicit axes: vmap needs it where shardings are part of the types
+    (a per-example length or index made without a sharding, beside a query whose batch
+    axis is sharded, is resharded to match)."""
+    pairs = []   # (leaf, its mapped axis), matched by structure (a field of None is no leaf)
+    for arg, axes in zip(args, leaf_axes):
+        if axes is not None:
+            jax.tree.map(lambda leaf, axis: axis is None or pairs.append((leaf, axis)), arg, axes)
+    on_mesh = [(leaf, tuple(spec)[axis] if axis < len(spec) else None)
+               for (leaf, axis), spec in zip(pairs, (explicit_spec(leaf) for leaf, _ in pairs))
+               if spec is not None]
+    if not on_mesh:
         return args
-    ref, axis = pairs[0]
-    want = tuple(specs[0])[axis] if axis < len(specs[0]) else None
+    ref, want = on_mesh[0]
 
     def align(x, axis):
         if axis is None:

@@ -344,6 +344,64 @@ def test_models_train_on_explicit_meshes(rng, own_compiled_programs):
     assert got.sharding.spec[0] == "data"
 
 
+def test_arrays_of_one_call_sharded_differently_run_as_jax_nn_s(rng, own_compiled_programs):
+    """On a mesh of Explicit axes, the arrays of one call with their batch split
+    differently: keys and values split by examples beside a query that is not, or only
+    the key lengths split. jax.nn's call runs; attnjax's had been jax's errors (vmap's
+    "should be sharded the same", the chunked kernel's loop carries, its backward's
+    update of an unsplit accumulator by a split one). Values and gradients are the
+    unsharded call's, the results sharded as the query; and greedy decoding of a split
+    source with split lengths, under jax.set_mesh and without it (the decoder's tokens,
+    made unsplit, had met the split memory)."""
+    import attnjax
+    from attnjax import nn
+
+    keys = jax.random.split(rng, 5)
+    q = jax.random.normal(keys[0], (4, 6, 4, 8), jnp.float32)
+    k, v = (jax.random.normal(key, (4, 5, 4, 8), jnp.float32) for key in keys[1:3])
+    lengths = jax.random.randint(keys[3], (4,), 1, 6)
+    mesh = jax.make_mesh((2, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    by_example = jax.sharding.NamedSharding(mesh, PartitionSpec("data"))
+
+    def loss(q, k, v, lengths, implementation):
+        out = attnjax.dot_product_attention(q, k, v, key_lengths=lengths,
+                                            implementation=implementation)
+        return jnp.sum(out ** 2), out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+                   static_argnums=4)
+    for implementation in ("dense", "chunked"):
+        (_, want), want_grads = step(q, k, v, lengths, implementation)
+        for split in ("key", "lengths"):
+            args = ((q, *jax.device_put((k, v), by_example), lengths) if split == "key" else
+                    (q, k, v, jax.device_put(lengths, by_example)))
+            (_, got), grads = step(*args, implementation)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{implementation}, {split} split")
+            for g, w in zip(grads, want_grads):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{implementation}, {split} split")
+            assert tuple(got.sharding.spec)[:1] in ((), (None,)), got.sharding
+
+    model = nn.Transformer(nn.TransformerConfig(
+        src_vocab_size=12, tgt_vocab_size=10, d_model=32, num_heads=4, d_ff=64,
+        num_encoder_layers=1, num_decoder_layers=1))
+    src = jax.random.randint(keys[4], (4, 7), 3, 12)
+    src_lengths = jax.random.randint(keys[3], (4,), 1, 8)
+    params = model.init(keys[4], src, src[:, :3] % 10)["params"]
+    decode = functools.partial(nn.greedy_decode, model, params, max_len=5, bos_id=1,
+                               eos_id=2)
+    want = decode(src, src_lengths)
+    with jax.set_mesh(mesh):
+        got = decode(*jax.device_put((src, src_lengths), by_example))
+    np.testing.assert_array_equal(got, want)
+    assert got.sharding.spec[0] == "data"
+    got = decode(jax.device_put(src, by_example), memory_cache=False)
+    np.testing.assert_array_equal(got, decode(src, memory_cache=False))
+    assert got.sharding.spec[0] == "data"
+
+
 def test_attention_on_explicit_meshes_and_inside_shard_map(rng, monkeypatch):
     """jax.make_mesh's default mesh (Explicit axes, shardings in the types) under
     jax.set_mesh, batch and heads sharded: every kernel, None and the modules run as

@@ -82,6 +82,12 @@ def check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool (True or False); got {got}")
 
 
+def check_flags(**flags) -> None:
+    """`check_flag` for each name=value."""
+    for name, value in flags.items():
+        check_flag(name, value)
+
+
 def is_int(value) -> bool:
     """A Python or NumPy integer, not a bool (what jax takes for a size)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

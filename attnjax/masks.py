@@ -515,7 +515,12 @@ class FromFn(Rule):
     kind = "from_fn"
 
     def visible(self, at):
-        out = jnp.asarray(self.fn(at.b, at.n, at.q_pos, at.k_pos, *self.consts))
+        out = self.fn(at.b, at.n, at.q_pos, at.k_pos, *self.consts)
+        try:
+            out = jnp.asarray(out)
+        except (TypeError, ValueError):   # None, a string, ...
+            raise TypeError(f"from_fn's function must return an array of booleans; got "
+                            f"{type(out).__name__}") from None
         if out.dtype != jnp.bool_:
             raise TypeError(f"from_fn's function must return booleans; got dtype {out.dtype}")
         grid = jnp.broadcast_shapes(at.q_pos.shape, at.k_pos.shape)
@@ -954,6 +959,13 @@ def padding_mask(lengths: Int[ArrayLike, " B"], max_length: int) -> Bool[Array, 
     lengths = jnp.asarray(lengths)
     _checks.check_rank("lengths", lengths, (1,), "[B]")
     _checks.check_lengths("lengths", lengths, lengths.shape, "[B]")
+    if not _checks.is_int(max_length) or max_length < 0:
+        raise ValueError(f"max_length must be an int ≥ 0; got {max_length!r}")
+    if not isinstance(lengths, jax.core.Tracer) and lengths.size:
+        shortest = np.asarray(lengths).min()
+        if shortest < 0:
+            raise ValueError(f"lengths must be non-negative (a number of positions); got "
+                             f"{shortest}")
     # [1, L]
     pos = lax.broadcasted_iota(jnp.int32, (1, max_length), 1)
     return pos < lengths.astype(jnp.int32)[:, None]
@@ -972,6 +984,10 @@ def query_key_mask(query_lengths: Int[ArrayLike, " B"], key_lengths: Int[ArrayLi
     # [B, T], [B, S]
     q_valid = padding_mask(query_lengths, num_queries)
     k_valid = padding_mask(key_lengths, num_keys)
+    if q_valid.shape[0] != k_valid.shape[0]:
+        raise ValueError(f"query_lengths and key_lengths must have one length an example, "
+                         f"[B] alike; got {_checks.shape_str(np.shape(query_lengths))} and "
+                         f"{_checks.shape_str(np.shape(key_lengths))}")
     return (q_valid[:, :, None] & k_valid[:, None, :])[:, None, :, :]
 
 
@@ -992,7 +1008,11 @@ def combine_masks(*masks: Bool[ArrayLike, "..."] | None) -> Bool[Array, "..."] |
     if not present:
         return None
     for i, m in enumerate(present):
-        _checks.check_mask(f"masks[{i}]", m, m.shape, "its own shape")
+        if isinstance(m, Mask):
+            raise TypeError(f"combine_masks combines boolean arrays; got a Mask as masks[{i}] "
+                            f"(Masks combine with & and |; masks.from_array makes one of an "
+                            f"array)")
+        _checks.check_mask(f"masks[{i}]", m, np.shape(m), "its own shape")
     rank = max(m.ndim for m in present)
     # Left-pad ranks explicitly: the project runs with implicit rank promotion off.
     present = [m.reshape((1,) * (rank - m.ndim) + m.shape) for m in present]

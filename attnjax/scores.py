@@ -343,11 +343,16 @@ def relative_position_bucket(relative_position, *, num_buckets: int, max_distanc
 
 def _check_buckets(num_buckets, max_distance, bidirectional) -> None:
     """At least one exact bucket per direction, and room for the logarithmic ones."""
+    _checks.check_flag("bidirectional", bidirectional)
     fewest = 4 if bidirectional else 2   # half of a direction's buckets are exact
     if not (_checks.is_int(num_buckets) and num_buckets >= fewest):
         raise ValueError(f"num_buckets must be an int ≥ {fewest} "
                          f"{'(2 a direction) ' if bidirectional else ''}with "
                          f"bidirectional={bidirectional}; got {num_buckets!r}")
+    if bidirectional and num_buckets % 2:
+        # each direction takes num_buckets // 2: the last bucket would never be used
+        raise ValueError(f"num_buckets must be even with bidirectional=True (half for "
+                         f"each direction); got {num_buckets}")
     if not (_checks.is_int(max_distance) and max_distance >= 2):
         raise ValueError(f"max_distance must be an int ≥ 2; got {max_distance!r}")
     if max_distance <= num_buckets // fewest:
@@ -402,6 +407,8 @@ def chain(*mods: ScoreMod) -> ScoreMod:
     for i, fn in enumerate(mods):
         if not callable(fn):
             raise TypeError(f"chain's argument {i} must be a score_mod; got {type(fn).__name__}")
+        _checks.check_arguments(f"chain's argument {i}", fn,
+                                "score_mod(score, b, n, q_pos, k_pos)", 5)
     heads = {getattr(fn, "num_heads") for fn in mods if getattr(fn, "num_heads", None)}
     if len(heads) > 1:
         raise ValueError(f"chain's score_mods hold values for different numbers of query "
@@ -474,10 +481,13 @@ def apply_score_mod(mod, logits, args, biased: bool):
     and score_mod sees 0 there, so its derivative is not taken at −inf."""
     hidden = (logits == -jnp.inf) if biased else None
     out = mod(logits if hidden is None else jnp.where(hidden, 0, logits), *args)
-    if getattr(out, "shape", None) != logits.shape:
+    if not hasattr(out, "dtype"):
+        raise TypeError(f"score_mod must return an array of scores, the score's shape "
+                        f"{_checks.shape_str(logits.shape)}; got {type(out).__name__}")
+    if out.shape != logits.shape:
         raise ValueError(f"score_mod must return the score's shape "
                          f"{_checks.shape_str(logits.shape)}; got "
-                         f"{_checks.shape_str(jnp.shape(out))}")
+                         f"{_checks.shape_str(out.shape)}")
     if not jnp.issubdtype(out.dtype, jnp.floating):
         # a mask written as a score_mod (j <= i), say: scores of 0 and 1, not a mask
         hint = (": a rule of which keys a query sees is a mask (masks.from_fn)"

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec
 import attnjax
 import attnjax.nnx
 from attnjax import kv_cache, masks, nn, scores
-from attnjax.parallel import ring
+from attnjax.parallel import context, ring
 from tests import draws
 
 B, T, S, N, K, H, V = 2, 5, 7, 6, 3, 4, 11
@@ -337,7 +337,109 @@ MISTAKES = [
      TypeError, r"query must be an array, or a list of numbers of one shape; got NoneType"),
     ("value_str", lambda: dpa(q, k, "abc"),
      TypeError, r"value must be an array, or a list of numbers of one shape; got str abc"),
+    # switches that took any truthy value: "no" turned sinks, biases, decoding on
+    ("linen_switch_string", lambda: nn.MultiHeadDotProductAttention(
+        num_heads=2, use_sinks="no").init(jax.random.key(0), q[:, :, 0]),
+     TypeError, r"use_sinks must be a bool \(True or False\); got 'no'"),
+    ("linen_decode_string", lambda: nn.MultiHeadDotProductAttention(
+        num_heads=2, decode="no").init(jax.random.key(0), q[:, :, 0]),
+     TypeError, r"decode must be a bool \(True or False\); got 'no'"),
+    ("nnx_switch_string", lambda: attnjax.nnx.MultiHeadAttention(
+        2, H, use_bias="no", rngs=flax.nnx.Rngs(0)),
+     TypeError, r"use_bias must be a bool \(True or False\); got 'no'"),
+    ("init_mha_switch_string", lambda: attnjax.init_multi_head_attention(
+        jax.random.key(0), H, 2, use_bias="no"),
+     TypeError, r"use_bias must be a bool \(True or False\); got 'no'"),
+    ("relative_bias_switch_string", lambda: scores.relative_position_bias(
+        _zeros(32, N), bidirectional="no"),
+     TypeError, r"bidirectional must be a bool \(True or False\); got 'no'"),
+    # an odd count of buckets split in two directions: the last bucket never used
+    ("relative_bias_odd_buckets", lambda: scores.relative_position_bias(
+        _zeros(5, N), num_buckets=5, max_distance=8),
+     ValueError, r"num_buckets must be even with bidirectional=True \(half for each "
+                 r"direction\); got 5"),
+    # the models' token and position shapes: [B, L, 1] had run as B·L one-token
+    # sequences; positions of another length, jax's broadcasting error
+    ("decoder_tokens_rank_3", lambda: _apply_decoder([[[3], [4], [5]]]),
+     ValueError, r"tokens must be token ids \[B, L\]; got shape \[1, 3, 1\]"),
+    ("decoder_positions_length", lambda: _apply_decoder(
+        [[3, 4, 5]], positions=jnp.arange(4, dtype=jnp.int32)[None]),
+     ValueError, r"the positions of tokens must have shape \[B, L\] = \[1, 3\] \(or \[L\], "
+                 r"\[1, L\]\); got \[1, 4\]"),
+    # the encoder-decoder's src_lengths: past S accepted (greedy_decode refused them), a
+    # wrong shape named query lengths
+    ("transformer_src_lengths_past_s", lambda: _apply_transformer(src_lengths=[9]),
+     ValueError, r"src_lengths must lie in \[0, S\] = \[0, 3\]; got 9"),
+    ("transformer_src_lengths_shape", lambda: _apply_transformer(src_lengths=[2, 3]),
+     ValueError, r"src_lengths must have shape \[B\] = \(1,\) \(the source \[B, S\] = "
+                 r"\[1, 3\]\); got \[2\]"),
+    # masked_softmax: an additive mask inverted silently; jax's errors for the rest
+    ("masked_softmax_additive_mask", lambda: attnjax.masked_softmax(
+        _zeros(T, S), jnp.where(draws.randint(10, (T, S), 0, 2) > 0, 0.0, -jnp.inf).astype(
+            jnp.float32)),
+     TypeError, r"mask must be boolean \(True = may attend\); got dtype float32"),
+    ("masked_softmax_mask_transposed", lambda: attnjax.masked_softmax(
+        _zeros(T, S), jnp.ones((S, T), bool)),
+     ValueError, r"mask must be broadcastable to \[T, S\] = \[5, 7\]; got \[7, 5\]"),
+    ("masked_softmax_rank_1", lambda: attnjax.masked_softmax(_zeros(S)),
+     ValueError, r"logits must have rank 2 \(\[T, S\]\); got shape \[7\] \(rank 1\)"),
+    # a module's float mask is flax's (nonzero attends): an additive one was inverted
+    ("module_additive_mask", lambda: _mha_module_call(mask=jnp.where(
+        jnp.tril(jnp.ones((T, T), bool)), 0.0, -1e9)),
+     ValueError, r"mask is flax's: bool, or float/int where nonzero attends .*got -1000000000"
+                 r".*an additive mask goes in bias="),
+    ("padding_mask_negative", lambda: masks.padding_mask(jnp.array([-1, 3]), 4),
+     ValueError, r"lengths must be non-negative \(a number of positions\); got -1"),
+    ("query_key_mask_batches", lambda: masks.query_key_mask(
+        jnp.array([1, 2]), jnp.array([1, 2, 3]), 4, 4),
+     ValueError, r"query_lengths and key_lengths must have one length an example, \[B\] "
+                 r"alike; got \[2\] and \[3\]"),
+    ("combine_masks_of_a_mask", lambda: masks.combine_masks(masks.causal(),
+                                                            np.ones((3, 3), bool)),
+     TypeError, r"combine_masks combines boolean arrays; got a Mask as masks\[0\]"),
+    ("core_attention_no_keys", lambda: attnjax.attention(q[0, :, 0], k[0, :0, 0], v[0, :0, 0]),
+     ValueError, r"q and k must not be empty; got S=0 in q \[5, 4\] \[T, H\], k \[0, 4\]"),
+    # what the user's functions return, and chain's functions: jax's errors before
+    ("score_mod_returns_a_tuple", lambda: dpa(q, k, v, score_mod=lambda s, b, n, i, j: (s, s)),
+     TypeError, r"score_mod must return an array of scores, the score's shape \[5, 7\]; "
+                r"got tuple"),
+    ("from_fn_returns_none", lambda: dpa(q, k, v, mask=masks.from_fn(lambda b, n, i, j: None)),
+     TypeError, r"from_fn's function must return an array of booleans; got NoneType"),
+    ("chain_of_one_argument", lambda: scores.chain(lambda s: s),
+     TypeError, r"chain's argument 0 must take 5 positional arguments, score_mod\(score, b, n, "
+                r"q_pos, k_pos\)"),
+    # a model given the other model's config, nnx's rngs not an Rngs: AttributeErrors
+    ("linen_decoder_of_a_transformer_config", lambda: nn.DecoderOnly(
+        _transformer()[0].config).init(jax.random.key(0), jnp.ones((1, 3), jnp.int32)),
+     TypeError, r"DecoderOnly takes a DecoderOnlyConfig; got TransformerConfig"),
+    ("nnx_decoder_of_a_transformer_config", lambda: attnjax.nnx.DecoderOnly(
+        _transformer()[0].config, rngs=flax.nnx.Rngs(0)),
+     TypeError, r"DecoderOnly takes a DecoderOnlyConfig; got TransformerConfig"),
+    ("nnx_rngs_int", lambda: attnjax.nnx.MultiHeadAttention(2, H, rngs=0),
+     TypeError, r"rngs must be an nnx.Rngs \(nnx.Rngs\(0\), say\); got int"),
+    ("nnx_init_cache_without_features", lambda: attnjax.nnx.MultiHeadAttention(
+        2, H, decode=True, rngs=flax.nnx.Rngs(0)).init_cache((B, T)),
+     ValueError, r"input_shape must be the inputs' shape \[batch..., L, features\] \(positive "
+                 r"ints; features 4\), as x.shape; got \(2, 5\)"),
+    ("lay_out_zero_shards", lambda: context.lay_out(np.ones((B, 8)), 0),
+     ValueError, r"num_shards must be a positive int \(the devices of the sequence axis\); "
+                 r"got 0"),
+    ("mha_values_without_keys", lambda: attnjax.multi_head_attention(
+        _mha_params(), q[..., 0, :], inputs_v=k[..., 0, :]),
+     ValueError, r"inputs_k cannot be None if inputs_v is not None"),
 ]
+
+
+def _apply_transformer(src_lengths):
+    model, params = _transformer()
+    tokens = jnp.ones((1, 3), jnp.int32)
+    return model.apply({"params": params}, tokens, tokens, jnp.asarray(src_lengths))
+
+
+def _mha_module_call(mask):
+    layer = nn.MultiHeadDotProductAttention(num_heads=2)
+    x = q[:, :, 0]   # [B, T, H]
+    return layer.apply(layer.init(jax.random.key(0), x), x, mask=mask)
 
 
 def _nnx_bf16_step_on_a_float32_cache():

@@ -20,6 +20,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import errors as flax_errors
 from jax import lax
 
@@ -245,6 +246,11 @@ class MultiHeadDotProductAttention(nn.Module):
         (score_mod, sinks with use_sinks, scale with score="dot"): a ValueError; with
         several batch axes its per-example arrays (and a Mask's) are laid out over their
         flattened product."""
+        _checks.check_flags(
+            broadcast_dropout=self.broadcast_dropout, use_bias=self.use_bias,
+            decode=self.decode, normalize_qk=self.normalize_qk,
+            force_fp32_for_softmax=self.force_fp32_for_softmax, is_causal=self.is_causal,
+            use_sinks=self.use_sinks, cache_key_value=self.cache_key_value)
         inputs_q, inputs_k, inputs_v = _inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
         dtype = self.dtype or _promoted_dtype((inputs_q, inputs_k, inputs_v), self.param_dtype)
         inputs_q, inputs_k, inputs_v = (x.astype(dtype) for x in (inputs_q, inputs_k, inputs_v))
@@ -523,6 +529,14 @@ def _flat_mask(mask, batch: tuple[int, ...]):
     nonzero attends) as attnjax's bool mask over one batch axis `[B|1, N|1, T|1, S|1]`."""
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
+        negative = None if isinstance(mask, jax.core.Tracer) else _checks.outside(
+            np.asarray(mask), 0, np.inf)
+        if negative is not None:
+            # an additive mask (0 attends, −inf or −1e9 hides) would attend where it hides
+            raise ValueError(
+                f"mask is flax's: bool, or float/int where nonzero attends (0/1, as "
+                f"nn.make_attention_mask gives); got {negative}: an additive mask goes in "
+                f"bias= (a call keyword) instead")
         mask = mask != 0
     if len(batch) <= 1 or mask.ndim <= 3:
         return mask

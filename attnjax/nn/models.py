@@ -22,6 +22,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 IMPLEMENTATIONS = (None, *ENGINE_IMPLEMENTATIONS, "xla")
 
 
+def check_model_config(model, kind: type) -> None:
+    """A TypeError unless the model's config is a `kind` (a Transformer's and a
+    DecoderOnly's configs differ: the other's would fail on a missing field)."""
+    if not isinstance(model.config, kind):
+        raise TypeError(f"{type(model).__name__} takes a {kind.__name__}; got "
+                        f"{type(model.config).__name__}")
+
+
 def _check_config(config, unused: tuple[str, ...] = ()) -> None:
     """Every field of a model config; the fields named in `unused` may be any int >= 0."""
     for field in dataclasses.fields(config):
@@ -325,6 +333,16 @@ def check_tokens(config, name: str, tokens, vocab_size: int, positions=None,
     dtype = tokens.dtype if hasattr(tokens, "dtype") else np.asarray(tokens).dtype
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must hold integer token ids; got dtype {dtype}")
+    shape = np.shape(tokens)
+    if len(shape) != 2:
+        # ([B, L, 1] would run as B·L sequences of one token)
+        raise ValueError(f"{name} must be token ids [B, L]; got shape "
+                         f"{_checks.shape_str(shape)}")
+    if positions is not None and np.shape(positions) not in (shape[1:], (1,) + shape[1:],
+                                                             shape):
+        raise ValueError(f"the positions of {name} must have shape [B, L] = "
+                         f"{_checks.shape_str(shape)} (or [L], [1, L]); got "
+                         f"{_checks.shape_str(np.shape(positions))}")
     if not isinstance(tokens, jax.core.Tracer):
         bad = _checks.outside(np.asarray(tokens), 0, vocab_size - 1)
         if bad is not None:
@@ -413,6 +431,7 @@ class Transformer(nn.Module):
     deterministic: bool | None = None
 
     def setup(self):
+        check_model_config(self, TransformerConfig)
         c = self.config
         self.src_embed = _Embed(c, c.src_vocab_size, name="src_embed")
         self.tgt_embed = _Embed(c, c.tgt_vocab_size, self.decode, name="tgt_embed")
@@ -429,6 +448,7 @@ class Transformer(nn.Module):
         """`[B, S]` tokens -> `[B, S, D]` memory."""
         deterministic = _deterministic(self, deterministic)
         check_tokens(self.config, "src", src, self.config.src_vocab_size, src_positions)
+        check_src_lengths(src_lengths, np.shape(src))
         mask = source_mask(src_lengths, src_segment_ids)
         x = self.src_embed(src, src_positions, deterministic=deterministic, embed=self.shared)
         return self.encoder(x, mask=mask, positions=src_positions, deterministic=deterministic,
@@ -442,6 +462,7 @@ class Transformer(nn.Module):
         _both("tgt_segment_ids", tgt_segment_ids, "src_segment_ids", src_segment_ids)
         check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size, tgt_positions,
                      self.decode)
+        check_src_lengths(src_lengths, np.shape(memory)[:2])
         mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids,
                                          self.decode)
         x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, embed=self.shared)
@@ -497,6 +518,7 @@ class DecoderOnly(nn.Module):
     def __call__(self, tokens, *, padding_mask=None, segment_ids=None, positions=None,
                  mask=None, deterministic=None, sow_weights=False):
         """`tokens [B, L]` -> `[B, L, V]` logits (see the class)."""
+        check_model_config(self, DecoderOnlyConfig)
         c = self.config
         deterministic = _deterministic(self, deterministic)
         check_tokens(c, "tokens", tokens, c.vocab_size, positions, self.decode)
@@ -508,6 +530,25 @@ class DecoderOnly(nn.Module):
             x, mask=visible, positions=positions, deterministic=deterministic,
             sow_weights=sow_weights)
         return nn.Dense(c.vocab_size, name="logits")(x.astype(jnp.float32))
+
+
+def check_src_lengths(src_lengths, src_shape: tuple[int, int]) -> None:
+    """src_lengths, if given: int `[B]` of the source `[B, S]`, each in [0, S] when
+    known (0: a source of padding only, whose rows see nothing)."""
+    if src_lengths is None:
+        return
+    batch, longest = src_shape
+    if np.shape(src_lengths) != (batch,):
+        raise ValueError(f"src_lengths must have shape [B] = ({batch},) (the source "
+                         f"[B, S] = {_checks.shape_str(src_shape)}); got "
+                         f"{_checks.shape_str(np.shape(src_lengths))}")
+    dtype = src_lengths.dtype if hasattr(src_lengths, "dtype") else np.asarray(src_lengths).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"src_lengths must have an integer dtype; got {dtype}")
+    if not isinstance(src_lengths, jax.core.Tracer):
+        bad = _checks.outside(np.asarray(src_lengths), 0, longest)
+        if bad is not None:
+            raise ValueError(f"src_lengths must lie in [0, S] = [0, {longest}]; got {bad}")
 
 
 def source_mask(src_lengths, src_segment_ids) -> masks.Mask:

@@ -34,6 +34,13 @@ from attnjax.nn.attention import (
 )
 
 
+
+def check_rngs(rngs) -> None:
+    """A TypeError unless rngs is an nnx.Rngs (as flax's modules take it)."""
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs must be an nnx.Rngs (nnx.Rngs(0), say); got "
+                        f"{type(rngs).__name__}")
+
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention with `flax.nnx.MultiHeadAttention`'s constructor, call,
     state, cache and errors, on attnjax's engine.
@@ -115,6 +122,12 @@ class MultiHeadAttention(nnx.Module):
         implementation: str | None = None,
         projection_activation: Callable | tuple | None = None,
     ):
+        check_rngs(rngs)
+        _checks.check_flags(broadcast_dropout=broadcast_dropout, use_bias=use_bias,
+                            normalize_qk=normalize_qk, keep_rngs=keep_rngs,
+                            is_causal=is_causal, use_sinks=use_sinks)
+        if decode is not None:
+            _checks.check_flag("decode", decode)
         check_score(score, implementation)
         multi_head.projection_activations(projection_activation)  # checks it
         self.in_kv_features = in_features if in_kv_features is None else in_kv_features
@@ -338,7 +351,14 @@ class MultiHeadAttention(nnx.Module):
     def init_cache(self, input_shape, dtype: Any = jnp.float32):
         """Size the KV cache for inputs of `input_shape` `[batch..., L, features]`:
         cached_key and cached_value `[batch..., L, K, H]` of zeros and cache_index 0."""
-        cache_shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+        shape = tuple(input_shape) if isinstance(input_shape, (tuple, list)) else None
+        features = {self.in_features, self.in_kv_features}
+        if (shape is None or len(shape) < 2 or shape[-1] not in features
+                or not all(_checks.is_int(d) and d > 0 for d in shape)):
+            raise ValueError(f"input_shape must be the inputs' shape [batch..., L, features] "
+                             f"(positive ints; features {' or '.join(map(str, sorted(features)))}"
+                             f"), as x.shape; got {input_shape!r}")
+        cache_shape = (*shape[:-1], self.num_kv_heads, self.head_dim)
         self.cached_key = nnx.Cache(jnp.zeros(cache_shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(cache_shape, dtype))
         self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))

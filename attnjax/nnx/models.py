@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -25,12 +26,14 @@ from attnjax.nn.models import (
     DecoderOnlyConfig,
     TransformerConfig,
     _both,
+    check_model_config,
+    check_src_lengths,
     check_tokens,
     sequence_mask,
     source_mask,
     target_masks,
 )
-from attnjax.nnx.attention import MultiHeadAttention
+from attnjax.nnx.attention import MultiHeadAttention, check_rngs
 
 
 class FeedForward(nnx.Module):
@@ -308,6 +311,8 @@ class Transformer(_Viewed, nnx.Module):
     def __init__(self, config: TransformerConfig, decode: bool = False, *,
                  deterministic: bool | None = None, rngs: nnx.Rngs):
         c = self.config = config
+        check_model_config(self, TransformerConfig)
+        check_rngs(rngs)
         self.decode = decode
         self.deterministic = deterministic
         shared = c.share_embeddings
@@ -328,6 +333,7 @@ class Transformer(_Viewed, nnx.Module):
         """`[B, S]` tokens -> `[B, S, D]` memory."""
         deterministic = _deterministic(self, deterministic)
         check_tokens(self.config, "src", src, self.config.src_vocab_size, src_positions)
+        check_src_lengths(src_lengths, np.shape(src))
         mask = source_mask(src_lengths, src_segment_ids)
         x = self.src_embed(src, src_positions, deterministic=deterministic, rngs=rngs,
                            embed=self.shared_embedding)
@@ -342,6 +348,7 @@ class Transformer(_Viewed, nnx.Module):
         _both("tgt_segment_ids", tgt_segment_ids, "src_segment_ids", src_segment_ids)
         check_tokens(self.config, "tgt", tgt, self.config.tgt_vocab_size, tgt_positions,
                      self.decode)
+        check_src_lengths(src_lengths, np.shape(memory)[:2])
         mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids,
                                          self.decode)
         with self.tgt_embed.positions.unchanged_on_error():
@@ -371,6 +378,8 @@ class DecoderOnly(_Viewed, nnx.Module):
     def __init__(self, config: DecoderOnlyConfig, decode: bool = False, *,
                  deterministic: bool | None = None, rngs: nnx.Rngs):
         c = self.config = config
+        check_model_config(self, DecoderOnlyConfig)
+        check_rngs(rngs)
         self.decode = decode
         self.deterministic = deterministic
         self.embed = _Embed(c, c.vocab_size, decode, rngs=rngs)

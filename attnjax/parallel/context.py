@@ -41,6 +41,9 @@ AXIS = "seq"
 
 def padded_length(length: int, num_shards: int) -> int:
     """The smallest multiple of 2P (two zig-zag chunks per device) that holds length."""
+    if not _checks.is_int(num_shards) or num_shards < 1:
+        raise ValueError(f"num_shards must be a positive int (the devices of the sequence "
+                         f"axis); got {num_shards!r}")
     chunks = 2 * num_shards
     return -(-length // chunks) * chunks
 

@@ -184,11 +184,12 @@ def dot_product_attention(
         more, 4 MiB an example, a decoding step against a long cache), where the
         value alone (no derivative taken) of 64 queries or more runs chunked once
         the logits pass 8 MiB under a mask, 16 MiB without; on a GPU or TPU, while the
-        batch's float32 logits are at most 4 GiB (B·N·T·S ≤ 2³⁰); and chunked
-        otherwise. "xla" (jax.nn's name) is the same as None, both kernels being
-        plain XLA.
-      block_sizes: `(block_q, block_k)` for the chunked implementation; chosen per
-        shape when None. Lengths need not be multiples of them.
+        batch's float32 logits are at most 4 GiB (B·N·T·S ≤ 2³⁰) and a twelfth of the
+        device's memory limit; and chunked otherwise. "xla" (jax.nn's name) is the
+        same as None, both kernels being plain XLA.
+      block_sizes: `(block_q, block_k)` for the chunked implementation (a ValueError
+        where the call runs another kernel, None's choice included); chosen per shape
+        when None. Lengths need not be multiples of them.
       alignment: `(score_fn, params)`, a learned alignment `score_fn(q [T, Hq],
         k [S, Hk], **params) -> [T, S]` (e.g. `attnjax.general_score`) replacing the
         scaled dot product, with each of `params` `[N, ...]` (one set per query head);

@@ -369,10 +369,11 @@ MISTAKES = [
     # the encoder-decoder's src_lengths: past S accepted (greedy_decode refused them), a
     # wrong shape named query lengths
     ("transformer_src_lengths_past_s", lambda: _apply_transformer(src_lengths=[9]),
-     ValueError, r"src_lengths must lie in \[0, S\] = \[0, 3\]; got 9"),
+     ValueError, r"src_lengths must lie in \[0, 3\] \(the source \[B, S\] = \[1, 3\]\); "
+                 r"got 9"),
     ("transformer_src_lengths_shape", lambda: _apply_transformer(src_lengths=[2, 3]),
      ValueError, r"src_lengths must have shape \[B\] = \(1,\) \(the source \[B, S\] = "
-                 r"\[1, 3\]\); got \[2\]"),
+                 r"\[1, 3\]\); got \(2,\)"),
     # masked_softmax: an additive mask inverted silently; jax's errors for the rest
     ("masked_softmax_additive_mask", lambda: attnjax.masked_softmax(
         _zeros(T, S), jnp.where(draws.randint(10, (T, S), 0, 2) > 0, 0.0, -jnp.inf).astype(

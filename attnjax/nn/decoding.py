@@ -14,7 +14,7 @@ from jax import lax
 
 from attnjax import _checks, heads, kv_cache
 from attnjax.nn.attention import PROJECTED_KEY_VALUE
-from attnjax.nn.models import DecoderOnly, Transformer, check_tokens
+from attnjax.nn.models import DecoderOnly, Transformer, check_lengths, check_tokens
 
 
 def _check_count(name: str, value, low: int) -> None:
@@ -25,21 +25,6 @@ def _check_count(name: str, value, low: int) -> None:
 def _check_id(name: str, value, vocab_size: int) -> None:
     if not _checks.is_int(value) or not 0 <= value < vocab_size:
         raise ValueError(f"{name} must be a token id in [0, {vocab_size}); got {value!r}")
-
-
-def _check_lengths(name: str, lengths, batch: int, longest: int) -> None:
-    """int `[B]` lengths, each in [1, longest] when known."""
-    if lengths is None:
-        return
-    if np.shape(lengths) != (batch,):
-        raise ValueError(f"{name} must have shape [B] = ({batch},); got {np.shape(lengths)}")
-    dtype = lengths.dtype if hasattr(lengths, "dtype") else np.asarray(lengths).dtype
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"{name} must have an integer dtype; got {dtype}")
-    if not isinstance(lengths, jax.core.Tracer):
-        bad = _checks.outside(np.asarray(lengths), 1, longest)
-        if bad is not None:
-            raise ValueError(f"{name} must lie in [1, {longest}]; got {bad}")
 
 
 def _check_batch(name: str, tokens) -> None:
@@ -103,7 +88,7 @@ def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len:
                          f"learned positions")
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
         _check_id(name, value, config.tgt_vocab_size)
-    _check_lengths("src_lengths", src_lengths, np.shape(src)[0], np.shape(src)[1])
+    check_lengths("src_lengths", src_lengths, np.shape(src)[0], np.shape(src)[1])
     if not isinstance(memory_cache, bool):
         raise TypeError(f"memory_cache must be a bool; got {memory_cache!r}")
     # lists too: one array each, not a pytree of numbers to trace
@@ -259,7 +244,7 @@ def generate(model: DecoderOnly, params, prompt, prompt_lengths=None, *, max_new
         raise ValueError(f"temperature must be a finite number >= 0; got {temperature!r}")
     if temperature > 0.0 and rng is None:
         raise ValueError(f"temperature={temperature} samples and needs an rng; got None")
-    _check_lengths("prompt_lengths", prompt_lengths, b, p)
+    check_lengths("prompt_lengths", prompt_lengths, b, p)
     # lists too: one array each, not a pytree of numbers to trace
     prompt = _checks.as_array("prompt", prompt)
     prompt_lengths = _checks.as_array("prompt_lengths", prompt_lengths)

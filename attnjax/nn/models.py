@@ -532,23 +532,29 @@ class DecoderOnly(nn.Module):
         return nn.Dense(c.vocab_size, name="logits")(x.astype(jnp.float32))
 
 
+def check_lengths(name: str, lengths, batch: int, longest: int, shortest: int = 1,
+                  of: str = "") -> None:
+    """lengths, if given: int `[B]`, each in [shortest, longest] when known (of: what
+    they measure, for the messages)."""
+    if lengths is None:
+        return
+    if np.shape(lengths) != (batch,):
+        raise ValueError(f"{name} must have shape [B] = ({batch},){of}; got "
+                         f"{np.shape(lengths)}")
+    dtype = lengths.dtype if hasattr(lengths, "dtype") else np.asarray(lengths).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {dtype}")
+    if not isinstance(lengths, jax.core.Tracer):
+        bad = _checks.outside(np.asarray(lengths), shortest, longest)
+        if bad is not None:
+            raise ValueError(f"{name} must lie in [{shortest}, {longest}]{of}; got {bad}")
+
+
 def check_src_lengths(src_lengths, src_shape: tuple[int, int]) -> None:
     """src_lengths, if given: int `[B]` of the source `[B, S]`, each in [0, S] when
     known (0: a source of padding only, whose rows see nothing)."""
-    if src_lengths is None:
-        return
-    batch, longest = src_shape
-    if np.shape(src_lengths) != (batch,):
-        raise ValueError(f"src_lengths must have shape [B] = ({batch},) (the source "
-                         f"[B, S] = {_checks.shape_str(src_shape)}); got "
-                         f"{_checks.shape_str(np.shape(src_lengths))}")
-    dtype = src_lengths.dtype if hasattr(src_lengths, "dtype") else np.asarray(src_lengths).dtype
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"src_lengths must have an integer dtype; got {dtype}")
-    if not isinstance(src_lengths, jax.core.Tracer):
-        bad = _checks.outside(np.asarray(src_lengths), 0, longest)
-        if bad is not None:
-            raise ValueError(f"src_lengths must lie in [0, S] = [0, {longest}]; got {bad}")
+    check_lengths("src_lengths", src_lengths, *src_shape, shortest=0,
+                  of=f" (the source [B, S] = {_checks.shape_str(src_shape)})")
 
 
 def source_mask(src_lengths, src_segment_ids) -> masks.Mask:

@@ -313,9 +313,10 @@ def relative_position_bucket(relative_position, *, num_buckets: int, max_distanc
                              bidirectional: bool):
     """T5's relative-position bucket of k_pos − q_pos.
 
-    T5's bucket of k_pos − q_pos: exact below half of a direction's buckets (half of
-    num_buckets with bidirectional, each direction taking half; all of them without),
-    then logarithmic up to max_distance, and the direction's last bucket beyond.
+    T5's bucket of k_pos − q_pos: exact below half of a direction's buckets
+    (num_buckets/4 with bidirectional, where each direction takes half of them;
+    num_buckets/2 without), then logarithmic up to max_distance, and the direction's
+    last bucket beyond.
 
     Examples:
         >>> import jax.numpy as jnp

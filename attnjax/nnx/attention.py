@@ -34,12 +34,12 @@ from attnjax.nn.attention import (
 )
 
 
-
 def check_rngs(rngs) -> None:
     """A TypeError unless rngs is an nnx.Rngs (as flax's modules take it)."""
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs (nnx.Rngs(0), say); got "
                         f"{type(rngs).__name__}")
+
 
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention with `flax.nnx.MultiHeadAttention`'s constructor, call,

@@ -352,7 +352,8 @@ def test_arrays_of_one_call_sharded_differently_run_as_jax_nn_s(rng, own_compile
     update of an unsplit accumulator by a split one). Values and gradients are the
     unsharded call's, the results sharded as the query; and greedy decoding of a split
     source with split lengths, under jax.set_mesh and without it (the decoder's tokens,
-    made unsplit, had met the split memory)."""
+    made unsplit, had met the split memory), and generation of a split prompt with its
+    lengths."""
     import attnjax
     from attnjax import nn
 
@@ -400,6 +401,25 @@ def test_arrays_of_one_call_sharded_differently_run_as_jax_nn_s(rng, own_compile
     got = decode(jax.device_put(src, by_example), memory_cache=False)
     np.testing.assert_array_equal(got, decode(src, memory_cache=False))
     assert got.sharding.spec[0] == "data"
+    got = decode(src, jax.device_put(src_lengths, by_example))   # the lengths alone split
+    np.testing.assert_array_equal(got, want)
+
+    # generation of a prompt split by examples with its lengths (the sinusoidal
+    # positions of the split lengths had met an unsplit scatter), and of the lengths
+    # alone split
+    lm = nn.DecoderOnly(nn.DecoderOnlyConfig(vocab_size=16, d_model=32, num_heads=4,
+                                             d_ff=64, num_layers=1))
+    prompt = jax.random.randint(keys[4], (4, 5), 1, 16)
+    prompt_lengths = jax.random.randint(keys[3], (4,), 1, 6)
+    params = lm.init(keys[0], prompt)["params"]
+    generate = functools.partial(nn.generate, lm, params, max_new_tokens=3)
+    want = generate(prompt, prompt_lengths)
+    with jax.set_mesh(mesh):
+        got = generate(*jax.device_put((prompt, prompt_lengths), by_example))
+    np.testing.assert_array_equal(got, want)
+    assert got.sharding.spec[0] == "data"
+    np.testing.assert_array_equal(generate(prompt, jax.device_put(prompt_lengths, by_example)),
+                                  want)
 
 
 def test_attention_on_explicit_meshes_and_inside_shard_map(rng, monkeypatch):

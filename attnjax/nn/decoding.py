@@ -107,6 +107,7 @@ def greedy_decode(model: Transformer, params, src, src_lengths=None, *, max_len:
 def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int,
                    bos_id: int, eos_id: int, pad_id: int, memory_cache: bool = True):
     b = src.shape[0]
+    src, src_lengths = heads.batch_sharded_as(src, src_lengths)   # (as generate's)
     model = model.clone(deterministic=True)   # decoding never drops out
     memory, cache = _start(model, params, src, src_lengths, max_len=max_len,
                            memory_cache=memory_cache)
@@ -291,6 +292,8 @@ def _batch_sharded_as(x, ref):
 def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tokens: int,
               temperature: float, rng):
     b, p = prompt.shape
+    # (lengths split by examples beside a prompt that is not: the prompt's sharding)
+    prompt, prompt_lengths = heads.batch_sharded_as(prompt, prompt_lengths)
     rng = jax.random.key(0) if rng is None else rng
     decoder = model.clone(decode=True, deterministic=True)   # decoding never drops out
     total = _tokens_read(p, max_new_tokens)

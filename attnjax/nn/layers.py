@@ -69,9 +69,12 @@ def _sinusoids_at(positions, d_model: int) -> jnp.ndarray:
     positions = jnp.asarray(positions).astype(jnp.float32)
     # [..., L, D/2]
     angles = positions[..., None] * rates.reshape((1,) * positions.ndim + rates.shape)
-    encoding = jnp.zeros(angles.shape[:-1] + (d_model,), jnp.float32)
-    encoding = encoding.at[..., 0::2].set(jnp.sin(angles))
-    return encoding.at[..., 1::2].set(jnp.cos(angles[..., : d_model // 2]))
+    sin, cos = jnp.sin(angles), jnp.cos(angles[..., : d_model // 2])
+    # sin at the even features, cos at the odd ones, interleaved (no scatter into zeros,
+    # which takes no sharding from the positions: per-example ones split by examples)
+    pairs = jnp.stack([sin[..., : d_model // 2], cos], axis=-1)
+    encoding = pairs.reshape(angles.shape[:-1] + (2 * (d_model // 2),))
+    return jnp.concatenate([encoding, sin[..., d_model // 2:]], axis=-1)
 
 
 class PositionalEncoding(nn.Module):

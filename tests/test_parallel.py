@@ -241,7 +241,8 @@ def test_layers_train_on_explicit_meshes(rng, own_compiled_programs):
     unsharded step, with the parameters replicated or in the Megatron layout by heads
     and hidden units (the projections' kernel gradient had been jax's
     ShardingTypeError at a reshape; the output projections, which sum over the split
-    axis, one asking where the sum goes), under jax.set_mesh and without."""
+    axis, one asking where the sum goes), under jax.set_mesh and without; and
+    cross-attention on inputs made without the mesh."""
     from attnjax import nn, scores
 
     x = jax.random.normal(rng, (4, 6, 16), jnp.float32)
@@ -273,6 +274,20 @@ def test_layers_train_on_explicit_meshes(rng, own_compiled_programs):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
         assert got[1].sharding.spec[0] == "data"
+    # cross-attention in the Megatron layout without jax.set_mesh, its keys' inputs made
+    # without the mesh: their gradient, a sum over the split heads, had been jax's
+    # ShardingTypeError (flax's own class fails its forward pass there)
+    memory = jax.random.normal(keys[1], (4, 5, 16), jnp.float32)
+
+    def cross(params, x, memory):
+        return jnp.sum(attention.apply({"params": params}, x, memory) ** 2)
+
+    cross_grads = jax.grad(cross, argnums=(0, 1, 2))
+    want = cross_grads(params["attention"], x, memory)
+    got = jax.jit(cross_grads)(jax.device_put(params["attention"], megatron["attention"]),
+                               jax.device_put(x, on_mesh(PartitionSpec("data"))), memory)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
 def test_models_train_on_explicit_meshes(rng, own_compiled_programs):

@@ -712,6 +712,7 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
     # results and the chunked kernel's accumulators take the query's
     query, (key, value, mask, score, options) = heads.batch_sharded_as(
         query, (key, value, mask, score, options))
+    mask, score = heads.past_heads_whole((mask, score))
     spec = heads.explicit_spec(query)
     if spec is not None and any(tuple(spec)[:3]) and _user_functions(mask, score):
         # Batch or heads sharded in their type (a mesh of Explicit axes): the user's

@@ -126,6 +126,20 @@ def batch_sharded_as(like, tree):
     return like, jax.tree.map(one, tree)
 
 
+def past_heads_whole(tree):
+    """Every leaf of tree laid out as "heads", `[B|1, N|1, ...]`, whole past its first
+    two axes where it is split there in its type (a mesh of Explicit axes): a bound
+    Mask's, a Score's arrays, read per query and key (segment ids split along the
+    sequence: their comparison of queries with keys would be split twice on one axis)."""
+    def one(x):
+        spec = explicit_spec(x) if getattr(x, "ndim", 0) > 2 else None
+        if spec is None or not any(tuple(spec)[2:]):
+            return x
+        return reshard(x, tuple(spec)[:2] + (None,) * (x.ndim - min(2, len(spec))))
+
+    return jax.tree.map(one, tree)
+
+
 def take_rows(table, ids, mode=None):
     """`jnp.take(table, ids, axis=0, mode=mode)`: rows of table `[V, ...]` for int ids
     `[...]`. Where ids are sharded in their type (a mesh of Explicit axes), the rows go

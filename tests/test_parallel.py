@@ -360,9 +360,10 @@ def test_models_train_on_explicit_meshes(rng, own_compiled_programs):
 
 
 def test_arrays_of_one_call_sharded_differently_run_as_jax_nn_s(rng, own_compiled_programs):
-    """On a mesh of Explicit axes, the arrays of one call with their batch split
-    differently: keys and values split by examples beside a query that is not, or only
-    the key lengths split. jax.nn's call runs; attnjax's had been jax's errors (vmap's
+    """On a mesh of Explicit axes, the arrays of one call split differently: keys and
+    values split by examples beside a query that is not, or only the key lengths split,
+    or segment ids and a bias split along the sequence. jax.nn's
+    call runs (where it takes the arrays); attnjax's had been jax's errors (vmap's
     "should be sharded the same", the chunked kernel's loop carries, its backward's
     update of an unsplit accumulator by a split one). Values and gradients are the
     unsharded call's, the results sharded as the query; and greedy decoding of a split
@@ -370,7 +371,7 @@ def test_arrays_of_one_call_sharded_differently_run_as_jax_nn_s(rng, own_compile
     made unsplit, had met the split memory), and generation of a split prompt with its
     lengths."""
     import attnjax
-    from attnjax import nn
+    from attnjax import masks, nn
 
     keys = jax.random.split(rng, 5)
     q = jax.random.normal(keys[0], (4, 6, 4, 8), jnp.float32)
@@ -399,6 +400,19 @@ def test_arrays_of_one_call_sharded_differently_run_as_jax_nn_s(rng, own_compile
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
                                            err_msg=f"{implementation}, {split} split")
             assert tuple(got.sharding.spec)[:1] in ((), (None,)), got.sharding
+        # segment ids and a bias split along the sequence, beside a query split by
+        # examples: their comparison of queries with keys had been split twice on an axis
+        ids = jnp.sort(jax.random.randint(keys[4], (4, 6), 0, 3), axis=1)
+        bias = jax.random.normal(keys[3], (4, 4, 6, 5), jnp.float32)
+        call = jax.jit(lambda q, k, v, ids, key_ids, bias: attnjax.dot_product_attention(
+            q, k, v, bias, masks.segments(ids, key_ids), implementation=implementation))
+        want = call(q, k, v, ids, ids[:, 1:], bias)
+        got = call(*jax.device_put((q, k, v), by_example),
+                   jax.device_put(ids, jax.sharding.NamedSharding(mesh, PartitionSpec(
+                       None, "model"))), ids[:, 1:],
+                   jax.device_put(bias, jax.sharding.NamedSharding(mesh, PartitionSpec(
+                       "data", None, "model"))))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=implementation)
 
     model = nn.Transformer(nn.TransformerConfig(
         src_vocab_size=12, tgt_vocab_size=10, d_model=32, num_heads=4, d_ff=64,

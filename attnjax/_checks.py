@@ -83,9 +83,10 @@ def check_flag(name: str, value) -> None:
 
 
 def check_flags(**flags) -> None:
-    """`check_flag` for each name=value."""
+    """`check_flag` for each name=value that is not None (None: off)."""
     for name, value in flags.items():
-        check_flag(name, value)
+        if value is not None:
+            check_flag(name, value)
 
 
 def is_int(value) -> bool:
@@ -159,6 +160,21 @@ def check_mask(name: str, mask, target: Sequence[int], layout: str) -> None:
             f"{name} must be boolean (True = may attend); got dtype {mask.dtype}{hint}"
         )
     check_broadcastable(name, mask, target, layout)
+
+
+def nonzero_attends(name: str, mask):
+    """A flax-style mask as bool: nonzero attends (0/1, as flax's make_attention_mask
+    gives). Known negative values are a ValueError: an additive mask (0 attends, −inf
+    or −1e9 hides) would attend where it hides."""
+    if mask.dtype == jnp.bool_:
+        return mask
+    negative = None if isinstance(mask, jax.core.Tracer) else outside(
+        np.asarray(mask), 0, np.inf)
+    if negative is not None:
+        raise ValueError(f"{name} is flax's: bool, or float/int where nonzero attends (0/1, "
+                         f"as nn.make_attention_mask gives); got {negative}: an additive "
+                         f"mask goes in bias= instead")
+    return mask != 0
 
 
 def check_bias(name: str, bias, target: Sequence[int], layout: str) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float
 
@@ -92,10 +93,17 @@ def masked_softmax(
         [[0.5, 0.5, 0.0, 0.0]]
     """
     logits, mask = _checks.as_array("logits", logits, True), _checks.as_array("mask", mask)
-    _checks.check_rank("logits", logits, (2,), "[T, S]")
-    _checks.check_floating("logits", logits)
+    if logits.ndim < 2:
+        raise ValueError(f"logits must have rank 2 or more ([..., T, S]); got shape "
+                         f"{_checks.shape_str(logits.shape)}")
     if mask is not None:
-        _checks.check_mask("mask", mask, logits.shape, "[T, S]")
+        try:
+            np.broadcast_shapes(mask.shape, logits.shape)
+        except ValueError:
+            raise ValueError(f"mask must broadcast with logits "
+                             f"{_checks.shape_str(logits.shape)}; got "
+                             f"{_checks.shape_str(mask.shape)}") from None
+        mask = _checks.nonzero_attends("mask", mask)
     return softmax_and_lse(logits, mask)[0]
 
 
@@ -225,12 +233,9 @@ def _check_core(q, k, v, mask, bias, scale, score_fn) -> None:
         _checks.check_rank(name, x, (2,), "[T, H]" if name == "q" else "[S, H]")
         _checks.check_floating(name, x)
     _checks.check_same_dtype(q=q, k=k, **({"v": v} if v is not None else {}))
-    sizes = {"T": q.shape[0], "S": k.shape[0], "H": q.shape[1]}
-    if 0 in sizes.values():   # nothing to attend with (as dot_product_attention says)
-        raise ValueError(
-            f"q and k must not be empty; got "
-            f"{', '.join(f'{axis}=0' for axis, size in sizes.items() if size == 0)} in q "
-            f"{_checks.shape_str(q.shape)} [T, H], k {_checks.shape_str(k.shape)} [S, H]")
+    if k.shape[0] == 0:   # nothing to attend to (a row's maximum of no logits)
+        raise ValueError(f"k must hold at least one key; got S=0 in k "
+                         f"{_checks.shape_str(k.shape)} [S, H]")
     if v is not None and v.shape[0] != k.shape[0]:
         raise ValueError(
             "k and v must have the same length S (axis 0); got "

@@ -96,7 +96,9 @@ def append(cached_key, cached_value, index, key, value) -> Appended:
             cache_shape[-2:])
         raise ValueError(
             f"decode=True: new keys must have the cache's batch axes and heads, "
-            f"[batch..., T, K, H] = {expected}; got {_checks.shape_str(key.shape)}")
+            f"[batch..., T, K, H] = {expected}; got {_checks.shape_str(key.shape)} (a cache "
+            f"is sized for inputs [batch..., L, features]: attnjax.nnx's init_cache takes "
+            f"their whole shape)")
     value_shape = key.shape[:-1] + cached_value.shape[-1:]
     if value.shape != value_shape:
         raise ValueError(

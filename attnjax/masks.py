@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -959,7 +960,11 @@ def padding_mask(lengths: Int[ArrayLike, " B"], max_length: int) -> Bool[Array, 
     lengths = jnp.asarray(lengths)
     _checks.check_rank("lengths", lengths, (1,), "[B]")
     _checks.check_lengths("lengths", lengths, lengths.shape, "[B]")
-    if not _checks.is_int(max_length) or max_length < 0:
+    try:
+        max_length = operator.index(max_length)
+    except TypeError:
+        max_length = -1
+    if max_length < 0:
         raise ValueError(f"max_length must be an int ≥ 0; got {max_length!r}")
     if not isinstance(lengths, jax.core.Tracer) and lengths.size:
         shortest = np.asarray(lengths).min()
@@ -984,7 +989,7 @@ def query_key_mask(query_lengths: Int[ArrayLike, " B"], key_lengths: Int[ArrayLi
     # [B, T], [B, S]
     q_valid = padding_mask(query_lengths, num_queries)
     k_valid = padding_mask(key_lengths, num_keys)
-    if q_valid.shape[0] != k_valid.shape[0]:
+    if 1 not in (q_valid.shape[0], k_valid.shape[0]) and q_valid.shape[0] != k_valid.shape[0]:
         raise ValueError(f"query_lengths and key_lengths must have one length an example, "
                          f"[B] alike; got {_checks.shape_str(np.shape(query_lengths))} and "
                          f"{_checks.shape_str(np.shape(key_lengths))}")

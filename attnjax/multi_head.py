@@ -64,7 +64,7 @@ def init_multi_head_attention(
         >>> params["query"]["kernel"].shape, params["key"]["kernel"].shape   # [D, N, H], [D, K, H]
         ((64, 8, 8), (64, 2, 8))
     """
-    _checks.check_flag("use_bias", use_bias)
+    _checks.check_flags(use_bias=use_bias)
     shapes = projection_shapes(
         in_features, num_heads, qkv_features=qkv_features, out_features=out_features,
         num_kv_heads=num_kv_heads, kv_features=kv_features)
@@ -379,7 +379,7 @@ def multi_head_attention(
         `MultiHeadDotProductAttention`'s `variables["params"]`.
       inputs_q: `[B, T, D]` (or `[T, D]`).
       inputs_k: `[B, S, Dk]`; defaults to inputs_q (self-attention).
-      inputs_v: `[B, S, Dv]`; defaults to inputs_k (given only with inputs_k).
+      inputs_v: `[B, S, Dv]`; defaults to inputs_k.
       projection_activation: φ in q = φ_Q(X_q W^Q + b^Q), k = φ_K(X_k W^K + b^K),
         v = φ_V(X_v W^V + b^V): one callable for all three, or a (φ_Q, φ_K, φ_V) triple
         (None entries: the identity); default None, the identity (plain linear maps).
@@ -401,10 +401,6 @@ def multi_head_attention(
         (2, 10, 64)
     """
     inputs_q = _checks.as_array("inputs_q", inputs_q, required=True)
-    if inputs_k is None and inputs_v is not None:
-        # (the queries would be the keys: the layer's modules and flax's refuse it alike)
-        raise ValueError("inputs_k cannot be None if inputs_v is not None: pass the keys as "
-                         "inputs_k, or inputs_k alone for keys = values; got inputs_v only")
     inputs_k = inputs_q if inputs_k is None else _checks.as_array("inputs_k", inputs_k, True)
     inputs_v = inputs_k if inputs_v is None else _checks.as_array("inputs_v", inputs_v, True)
     _check_inputs(inputs_q, inputs_k, inputs_v)

@@ -345,16 +345,14 @@ def relative_position_bucket(relative_position, *, num_buckets: int, max_distanc
 
 def _check_buckets(num_buckets, max_distance, bidirectional) -> None:
     """At least one exact bucket per direction, and room for the logarithmic ones."""
-    _checks.check_flag("bidirectional", bidirectional)
+    if not (isinstance(bidirectional, (bool, np.bool_)) or (
+            _checks.is_int(bidirectional) and bidirectional in (0, 1))):
+        raise TypeError(f"bidirectional must be a bool (True or False); got {bidirectional!r}")
     fewest = 4 if bidirectional else 2   # half of a direction's buckets are exact
     if not (_checks.is_int(num_buckets) and num_buckets >= fewest):
         raise ValueError(f"num_buckets must be an int ≥ {fewest} "
                          f"{'(2 a direction) ' if bidirectional else ''}with "
                          f"bidirectional={bidirectional}; got {num_buckets!r}")
-    if bidirectional and num_buckets % 2:
-        # each direction takes num_buckets // 2: the last bucket would never be used
-        raise ValueError(f"num_buckets must be even with bidirectional=True (half for "
-                         f"each direction); got {num_buckets}")
     if not (_checks.is_int(max_distance) and max_distance >= 2):
         raise ValueError(f"max_distance must be an int ≥ 2; got {max_distance!r}")
     if max_distance <= num_buckets // fewest:

@@ -353,37 +353,29 @@ MISTAKES = [
     ("relative_bias_switch_string", lambda: scores.relative_position_bias(
         _zeros(32, N), bidirectional="no"),
      TypeError, r"bidirectional must be a bool \(True or False\); got 'no'"),
-    # an odd count of buckets split in two directions: the last bucket never used
-    ("relative_bias_odd_buckets", lambda: scores.relative_position_bias(
-        _zeros(5, N), num_buckets=5, max_distance=8),
-     ValueError, r"num_buckets must be even with bidirectional=True \(half for each "
-                 r"direction\); got 5"),
-    # the models' token and position shapes: [B, L, 1] had run as B·L one-token
-    # sequences; positions of another length, jax's broadcasting error
-    ("decoder_tokens_rank_3", lambda: _apply_decoder([[[3], [4], [5]]]),
-     ValueError, r"tokens must be token ids \[B, L\]; got shape \[1, 3, 1\]"),
+    # positions of another length than the tokens: jax's broadcasting error before
     ("decoder_positions_length", lambda: _apply_decoder(
         [[3, 4, 5]], positions=jnp.arange(4, dtype=jnp.int32)[None]),
-     ValueError, r"the positions of tokens must have shape \[B, L\] = \[1, 3\] \(or \[L\], "
-                 r"\[1, L\]\); got \[1, 4\]"),
-    # the encoder-decoder's src_lengths: past S accepted (greedy_decode refused them), a
-    # wrong shape named query lengths
-    ("transformer_src_lengths_past_s", lambda: _apply_transformer(src_lengths=[9]),
-     ValueError, r"src_lengths must lie in \[0, 3\] \(the source \[B, S\] = \[1, 3\]\); "
-                 r"got 9"),
+     ValueError, r"the positions of tokens must broadcast to its shape \[1, 3\]; got "
+                 r"\[1, 4\]"),
+    # the encoder-decoder's src_lengths: negative ones accepted, a wrong shape named
+    # query lengths
+    ("transformer_src_lengths_negative", lambda: _apply_transformer(src_lengths=[-1]),
+     ValueError, r"src_lengths must lie in \[0, inf\] \(the source \[B, S\] = \[1, 3\]\); "
+                 r"got -1"),
     ("transformer_src_lengths_shape", lambda: _apply_transformer(src_lengths=[2, 3]),
-     ValueError, r"src_lengths must have shape \[B\] = \(1,\) \(the source \[B, S\] = "
-                 r"\[1, 3\]\); got \(2,\)"),
+     ValueError, r"src_lengths must have shape \[B\] = \(1,\) or \(\) \(the source \[B, S\] "
+                 r"= \[1, 3\]\); got \(2,\)"),
     # masked_softmax: an additive mask inverted silently; jax's errors for the rest
     ("masked_softmax_additive_mask", lambda: attnjax.masked_softmax(
         _zeros(T, S), jnp.where(draws.randint(10, (T, S), 0, 2) > 0, 0.0, -jnp.inf).astype(
             jnp.float32)),
-     TypeError, r"mask must be boolean \(True = may attend\); got dtype float32"),
+     ValueError, r"mask is flax's: bool, or float/int where nonzero attends .*got -inf"),
     ("masked_softmax_mask_transposed", lambda: attnjax.masked_softmax(
         _zeros(T, S), jnp.ones((S, T), bool)),
-     ValueError, r"mask must be broadcastable to \[T, S\] = \[5, 7\]; got \[7, 5\]"),
+     ValueError, r"mask must broadcast with logits \[5, 7\]; got \[7, 5\]"),
     ("masked_softmax_rank_1", lambda: attnjax.masked_softmax(_zeros(S)),
-     ValueError, r"logits must have rank 2 \(\[T, S\]\); got shape \[7\] \(rank 1\)"),
+     ValueError, r"logits must have rank 2 or more \(\[..., T, S\]\); got shape \[7\]"),
     # a module's float mask is flax's (nonzero attends): an additive one was inverted
     ("module_additive_mask", lambda: _mha_module_call(mask=jnp.where(
         jnp.tril(jnp.ones((T, T), bool)), 0.0, -1e9)),
@@ -399,7 +391,7 @@ MISTAKES = [
                                                             np.ones((3, 3), bool)),
      TypeError, r"combine_masks combines boolean arrays; got a Mask as masks\[0\]"),
     ("core_attention_no_keys", lambda: attnjax.attention(q[0, :, 0], k[0, :0, 0], v[0, :0, 0]),
-     ValueError, r"q and k must not be empty; got S=0 in q \[5, 4\] \[T, H\], k \[0, 4\]"),
+     ValueError, r"k must hold at least one key; got S=0 in k \[0, 4\] \[S, H\]"),
     # what the user's functions return, and chain's functions: jax's errors before
     ("score_mod_returns_a_tuple", lambda: dpa(q, k, v, score_mod=lambda s, b, n, i, j: (s, s)),
      TypeError, r"score_mod must return an array of scores, the score's shape \[5, 7\]; "
@@ -418,17 +410,26 @@ MISTAKES = [
      TypeError, r"DecoderOnly takes a DecoderOnlyConfig; got TransformerConfig"),
     ("nnx_rngs_int", lambda: attnjax.nnx.MultiHeadAttention(2, H, rngs=0),
      TypeError, r"rngs must be an nnx.Rngs \(nnx.Rngs\(0\), say\); got int"),
-    ("nnx_init_cache_without_features", lambda: attnjax.nnx.MultiHeadAttention(
-        2, H, decode=True, rngs=flax.nnx.Rngs(0)).init_cache((B, T)),
+    # a cache sized by init_cache((B, L)), the features axis forgotten (its last axis is
+    # not read, as in flax): the error names init_cache's argument
+    ("nnx_init_cache_without_features", lambda: _nnx_step_after_init_cache((B, T)),
+     ValueError, r"new keys must have the cache's batch axes and heads.*attnjax.nnx's "
+                 r"init_cache takes their whole shape"),
+    ("nnx_init_cache_negative", lambda: attnjax.nnx.MultiHeadAttention(
+        2, H, decode=True, rngs=flax.nnx.Rngs(0)).init_cache((B, -1, H)),
      ValueError, r"input_shape must be the inputs' shape \[batch..., L, features\] \(positive "
-                 r"ints; features 4\), as x.shape; got \(2, 5\)"),
+                 r"ints, as x.shape\); got \(2, -1, 4\)"),
     ("lay_out_zero_shards", lambda: context.lay_out(np.ones((B, 8)), 0),
      ValueError, r"num_shards must be a positive int \(the devices of the sequence axis\); "
                  r"got 0"),
-    ("mha_values_without_keys", lambda: attnjax.multi_head_attention(
-        _mha_params(), q[..., 0, :], inputs_v=k[..., 0, :]),
-     ValueError, r"inputs_k cannot be None if inputs_v is not None"),
 ]
+
+
+def _nnx_step_after_init_cache(input_shape):
+    layer = attnjax.nnx.MultiHeadAttention(2, H, decode=True, is_causal=True,
+                                           rngs=flax.nnx.Rngs(0))
+    layer.init_cache(input_shape)
+    return layer(q[:, :1, 0])
 
 
 def _apply_transformer(src_lengths):
@@ -594,3 +595,54 @@ def test_multi_head_attention_takes_lists():
               for name, p in listed.items()}
     np.testing.assert_array_equal(attnjax.multi_head_attention(listed, x.tolist()),
                                   attnjax.multi_head_attention(arrays, jnp.asarray(x.tolist())))
+
+
+def test_what_the_checks_still_take():
+    """Uses that ran before the checks of users' mistakes were added, and still run
+    with the same results (a review found each refused by a first version of them)."""
+    # masked_softmax: flax's 0/1 float masks, logits of any batch axes
+    logits = draws.normals(20, (B, N, T, S))[0]
+    keep = draws.randint(21, (B, 1, T, S), 0, 2) > 0
+    np.testing.assert_array_equal(attnjax.masked_softmax(logits, keep.astype(jnp.float32)),
+                                  attnjax.masked_softmax(logits, keep))
+    # the models: tokens [L] (a batch of one), scalar positions of a decoding step, one
+    # src_length for every example, lengths past S (all of it, as key lengths)
+    model, params = _decoder("sinusoidal")
+    tokens = draws.randint(22, (4,), 0, 13)
+    with jax.numpy_rank_promotion("allow"):   # (jax's default: [L] meets [1, L])
+        np.testing.assert_allclose(model.apply({"params": params}, tokens),
+                                   model.apply({"params": params}, tokens[None]),
+                                   rtol=1e-6)
+    model, params = _transformer()
+    src = draws.randint(23, (2, 3), 0, 7)
+    apply = functools.partial(model.apply, {"params": params}, src, src % 9)
+    np.testing.assert_allclose(apply(jnp.int32(2)), apply(jnp.array([2, 2])), rtol=1e-6)
+    np.testing.assert_allclose(apply(jnp.array([9, 1])), apply(jnp.array([3, 1])), rtol=1e-6)
+    # T5's odd bucket counts and 0/1 for bidirectional
+    table = draws.normals(24, (5, N))[0]
+    for bidirectional in (1, 0):
+        assert dpa(q, k, v, score_mod=scores.relative_position_bias(
+            table, num_buckets=5, max_distance=8, bidirectional=bidirectional)).shape == (
+                B, T, N, V)
+    # init_cache's input_shape as flax reads it (its last axis unread): NumPy and jax ints
+    layer = attnjax.nnx.MultiHeadAttention(2, H, decode=True, rngs=flax.nnx.Rngs(0))
+    for shape in ((B, T, 3), np.array([B, T, H]), (jnp.int32(B), T, H)):
+        layer.init_cache(shape)
+        assert layer.cached_key.shape == (B, T, 2, 2)
+    # padding_mask's max_length as a jax or NumPy integer; query_key_mask's shared lengths
+    lengths = jnp.array([3, 1])
+    np.testing.assert_array_equal(masks.padding_mask(lengths, jnp.int32(4)),
+                                  masks.padding_mask(lengths, 4))
+    np.testing.assert_array_equal(masks.query_key_mask(lengths, jnp.array([2]), 4, 3),
+                                  masks.query_key_mask(lengths, jnp.array([2, 2]), 4, 3))
+    # a switch given None (off), as flax's decode=None; the functional layer's inputs_v
+    # alone (keys from the queries, as its docstring says); core attention of no queries
+    x = q[:, :, 0]
+    layer = nn.MultiHeadDotProductAttention(num_heads=2, decode=None)
+    variables = layer.init(jax.random.key(0), x)
+    np.testing.assert_array_equal(layer.apply(variables, x),
+                                  layer.clone(decode=False).apply(variables, x))
+    np.testing.assert_allclose(
+        attnjax.multi_head_attention(_mha_params(), x, inputs_v=2 * x),
+        attnjax.multi_head_attention(_mha_params(), x, inputs_k=x, inputs_v=2 * x), rtol=1e-6)
+    assert attnjax.attention(q[0, :0, 0], k[0, :, 0], v[0, :, 0]).shape == (0, V)

@@ -20,7 +20,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import errors as flax_errors
 from jax import lax
 
@@ -527,17 +526,7 @@ def _promoted_dtype(arrays, param_dtype):
 def _flat_mask(mask, batch: tuple[int, ...]):
     """A flax mask broadcastable to `[batch..., N, T, S]` (bool, or float/int where
     nonzero attends) as attnjax's bool mask over one batch axis `[B|1, N|1, T|1, S|1]`."""
-    mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_:
-        negative = None if isinstance(mask, jax.core.Tracer) else _checks.outside(
-            np.asarray(mask), 0, np.inf)
-        if negative is not None:
-            # an additive mask (0 attends, −inf or −1e9 hides) would attend where it hides
-            raise ValueError(
-                f"mask is flax's: bool, or float/int where nonzero attends (0/1, as "
-                f"nn.make_attention_mask gives); got {negative}: an additive mask goes in "
-                f"bias= (a call keyword) instead")
-        mask = mask != 0
+    mask = _checks.nonzero_attends("mask", jnp.asarray(mask))
     if len(batch) <= 1 or mask.ndim <= 3:
         return mask
     leading = mask.shape[:-3]

@@ -334,15 +334,15 @@ def check_tokens(config, name: str, tokens, vocab_size: int, positions=None,
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must hold integer token ids; got dtype {dtype}")
     shape = np.shape(tokens)
-    if len(shape) != 2:
-        # ([B, L, 1] would run as B·L sequences of one token)
-        raise ValueError(f"{name} must be token ids [B, L]; got shape "
-                         f"{_checks.shape_str(shape)}")
-    if positions is not None and np.shape(positions) not in (shape[1:], (1,) + shape[1:],
-                                                             shape):
-        raise ValueError(f"the positions of {name} must have shape [B, L] = "
-                         f"{_checks.shape_str(shape)} (or [L], [1, L]); got "
-                         f"{_checks.shape_str(np.shape(positions))}")
+    if positions is not None:
+        try:
+            fits = np.broadcast_shapes(np.shape(positions), shape) == shape
+        except ValueError:
+            fits = False
+        if not fits:   # (jax's broadcasting error, deep in the embedding, before)
+            raise ValueError(f"the positions of {name} must broadcast to its shape "
+                             f"{_checks.shape_str(shape)}; got "
+                             f"{_checks.shape_str(np.shape(positions))}")
     if not isinstance(tokens, jax.core.Tracer):
         bad = _checks.outside(np.asarray(tokens), 0, vocab_size - 1)
         if bad is not None:
@@ -532,15 +532,15 @@ class DecoderOnly(nn.Module):
         return nn.Dense(c.vocab_size, name="logits")(x.astype(jnp.float32))
 
 
-def check_lengths(name: str, lengths, batch: int, longest: int, shortest: int = 1,
-                  of: str = "") -> None:
-    """lengths, if given: int `[B]`, each in [shortest, longest] when known (of: what
-    they measure, for the messages)."""
+def check_lengths(name: str, lengths, batch: int, longest: int | float, shortest: int = 1,
+                  of: str = "", shared: bool = False) -> None:
+    """lengths, if given: int `[B]` (or `[]` with shared: one for every example), each in
+    [shortest, longest] when known (of: what they measure, for the messages)."""
     if lengths is None:
         return
-    if np.shape(lengths) != (batch,):
-        raise ValueError(f"{name} must have shape [B] = ({batch},){of}; got "
-                         f"{np.shape(lengths)}")
+    if np.shape(lengths) != (batch,) and not (shared and np.shape(lengths) == ()):
+        raise ValueError(f"{name} must have shape [B] = ({batch},){' or ()' * shared}{of}; "
+                         f"got {np.shape(lengths)}")
     dtype = lengths.dtype if hasattr(lengths, "dtype") else np.asarray(lengths).dtype
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype; got {dtype}")
@@ -551,9 +551,10 @@ def check_lengths(name: str, lengths, batch: int, longest: int, shortest: int = 
 
 
 def check_src_lengths(src_lengths, src_shape: tuple[int, int]) -> None:
-    """src_lengths, if given: int `[B]` of the source `[B, S]`, each in [0, S] when
-    known (0: a source of padding only, whose rows see nothing)."""
-    check_lengths("src_lengths", src_lengths, *src_shape, shortest=0,
+    """src_lengths, if given: int `[B]` of the source `[B, S]` (or `[]`, shared), each
+    at least 0 when known (0: a source of padding only, whose rows see nothing; past S,
+    all of it, as dot_product_attention's key lengths)."""
+    check_lengths("src_lengths", src_lengths, src_shape[0], np.inf, shortest=0, shared=True,
                   of=f" (the source [B, S] = {_checks.shape_str(src_shape)})")
 
 

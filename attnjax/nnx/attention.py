@@ -125,9 +125,7 @@ class MultiHeadAttention(nnx.Module):
         check_rngs(rngs)
         _checks.check_flags(broadcast_dropout=broadcast_dropout, use_bias=use_bias,
                             normalize_qk=normalize_qk, keep_rngs=keep_rngs,
-                            is_causal=is_causal, use_sinks=use_sinks)
-        if decode is not None:
-            _checks.check_flag("decode", decode)
+                            is_causal=is_causal, use_sinks=use_sinks, decode=decode)
         check_score(score, implementation)
         multi_head.projection_activations(projection_activation)  # checks it
         self.in_kv_features = in_features if in_kv_features is None else in_kv_features
@@ -351,13 +349,14 @@ class MultiHeadAttention(nnx.Module):
     def init_cache(self, input_shape, dtype: Any = jnp.float32):
         """Size the KV cache for inputs of `input_shape` `[batch..., L, features]`:
         cached_key and cached_value `[batch..., L, K, H]` of zeros and cache_index 0."""
-        shape = tuple(input_shape) if isinstance(input_shape, (tuple, list)) else None
-        features = {self.in_features, self.in_kv_features}
-        if (shape is None or len(shape) < 2 or shape[-1] not in features
-                or not all(_checks.is_int(d) and d > 0 for d in shape)):
+        try:
+            shape = tuple(int(d) for d in np.asarray(input_shape).reshape(-1))
+            ints = np.issubdtype(np.asarray(input_shape).dtype, np.integer)
+        except (TypeError, ValueError):
+            shape, ints = (), False
+        if not ints or np.ndim(input_shape) != 1 or len(shape) < 2 or min(shape) < 1:
             raise ValueError(f"input_shape must be the inputs' shape [batch..., L, features] "
-                             f"(positive ints; features {' or '.join(map(str, sorted(features)))}"
-                             f"), as x.shape; got {input_shape!r}")
+                             f"(positive ints, as x.shape); got {input_shape!r}")
         cache_shape = (*shape[:-1], self.num_kv_heads, self.head_dim)
         self.cached_key = nnx.Cache(jnp.zeros(cache_shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(cache_shape, dtype))

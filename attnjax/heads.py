@@ -97,6 +97,15 @@ def reshard(x, entries, like=None):
     return jax.sharding.reshard(x, sharding(entries, x if like is None else like))
 
 
+def on_mesh_of(x, ref):
+    """x, made without a mesh in its type, replicated on ref's mesh of Explicit axes
+    (where ref is on one): an operation of both then has one mesh to shard its result
+    on."""
+    if explicit_spec(x) is not None or explicit_spec(ref) is None:
+        return x
+    return reshard(x, (None,) * x.ndim, ref)
+
+
 def batch_sharded_as(like, tree):
     """`(like, tree)` with every leaf of tree `[B, ...]` sharded on its batch axis as
     like `[B, ...]` is, where either is sharded in its type (a mesh of Explicit axes):
@@ -106,10 +115,10 @@ def batch_sharded_as(like, tree):
     (a unit axis, shared) are left as they are."""
     spec = explicit_spec(like)
     if spec is None:
-        on_mesh = [x for x in jax.tree.leaves(tree) if explicit_spec(x) is not None]
-        if not on_mesh:
+        ref = next((x for x in jax.tree.leaves(tree) if explicit_spec(x) is not None), None)
+        if ref is None:
             return like, tree
-        like, spec = reshard(like, (None,) * like.ndim, on_mesh[0]), ()
+        like, spec = on_mesh_of(like, ref), ()
     want = tuple(spec)[0] if spec else None
     batch = like.shape[0]
 

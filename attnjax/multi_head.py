@@ -213,11 +213,10 @@ def project(p: Mapping[str, ArrayLike], x: ArrayLike, fan_in_axes: int, *,
     xᵀ · g over a held copy of xᵀ (`_product_read_transposed`)."""
     x = jnp.asarray(x)
     kernel = jnp.asarray(p["kernel"]).astype(x.dtype)
-    if heads.explicit_spec(x) is None and heads.explicit_spec(kernel) is not None:
-        # inputs made without the mesh in their type beside a kernel on it (Megatron's
-        # layout, without jax.set_mesh): on the mesh, replicated, so that the inputs'
-        # gradient, a sum over the kernel's split axes, has a sharding to take
-        x = heads.reshard(x, (None,) * x.ndim, kernel)
+    # inputs made without the mesh in their type beside a kernel on it (Megatron's
+    # layout, without jax.set_mesh): on the mesh, replicated, so that the inputs'
+    # gradient, a sum over the kernel's split axes, has a sharding to take
+    x = heads.on_mesh_of(x, kernel)
     if dot_general is lax.dot_general and _reads_transposed(x):
         y = _product_read_transposed(x, kernel, fan_in_axes, precision)
     else:

@@ -130,9 +130,9 @@ def _greedy_decode(model: Transformer, params, src, src_lengths, *, max_len: int
         return (i < max_len) & ~jnp.all(done)
 
     # (each [B] and [B, max_len] array split by examples as src, where src is split)
-    init = (jnp.int32(0), *(_batch_sharded_as(x, src) for x in (
+    init = (jnp.int32(0), *heads.batch_sharded_as(src, (
         jnp.full((b, max_len), pad_id, jnp.int32), jnp.full((b,), bos_id, jnp.int32),
-        jnp.zeros((b,), bool))), cache)
+        jnp.zeros((b,), bool)))[1], cache)
     return lax.while_loop(running, step, init)[1]
 
 
@@ -157,7 +157,7 @@ def _start_cache(model: Transformer, params, memory, src_lengths, *, max_len: in
     whole decoder a second time). Its appends are traced without the overrun check,
     whose host callback XLA would keep (a program with one leaves jit's C++ dispatch:
     the dates model's starting cache, jitted alone, took 3.0 ms a call against 2.2-2.6)."""
-    tgt = _batch_sharded_as(jnp.zeros((memory.shape[0], max_len), jnp.int32), memory)
+    _, tgt = heads.batch_sharded_as(memory, jnp.zeros((memory.shape[0], max_len), jnp.int32))
     decoder = model.clone(decode=True)
     # (init keeps no projected memory: the first call that decodes projects its own)
     cache = _empty_cache(decoder, memory, tgt, method=_full_length_decoder)
@@ -278,15 +278,6 @@ def _roll_rows(x, shift):
     return jnp.take_along_axis(x, columns % x.shape[1], axis=1)
 
 
-def _batch_sharded_as(x, ref):
-    """x `[B, ...]` with its batch sharded as ref's, where ref's is in its type (a mesh of
-    Explicit axes): the new tokens join the prompt's."""
-    spec = heads.explicit_spec(ref)
-    if spec is None:
-        return x
-    return heads.reshard(x, (tuple(spec)[0],) + (None,) * (x.ndim - 1), ref)
-
-
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature"))
 @kv_cache.sized_for_every_append()   # (see _greedy_decode)
 def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tokens: int,
@@ -318,8 +309,8 @@ def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tok
 
     logits, variables = decoder.apply({"params": params, "cache": cache}, prompt,
                                       positions=positions[:, :p], mask=mask, mutable=["cache"])
-    tokens = jnp.concatenate([prompt.astype(jnp.int32), _batch_sharded_as(
-        jnp.zeros((b, max_new_tokens), jnp.int32), prompt)], axis=1)
+    tokens = jnp.concatenate([prompt.astype(jnp.int32), heads.batch_sharded_as(
+        prompt, jnp.zeros((b, max_new_tokens), jnp.int32))[1]], axis=1)
     first = pick(logits[:, -1], jax.random.fold_in(rng, 0))
     tokens = tokens.at[:, p].set(first)
 

@@ -12,6 +12,7 @@ arithmetic of one block so, inside block loops that run over all heads at once.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import threading
 import weakref
@@ -20,6 +21,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core.primitives import custom_jvp_call_p, custom_vjp_call_p, jit_p
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 
 from attnjax import _checks, chunked, core, cudnn, dense, heads, masks
@@ -727,10 +729,77 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
         mesh = jax.typeof(query).sharding.mesh
         explicit = tuple(axis for axis, kind in zip(mesh.axis_names, mesh.axis_types)
                          if kind == jax.sharding.AxisType.Explicit)  # (not shard_map's)
-        return jax.sharding.auto_axes(
-            functools.partial(_per_head_kernel, name, value_name=value_name), axes=explicit,
-            out_sharding=tuple(out_sharding))(query, key, value, mask, score, options)
+        # arrays on the mesh that the functions close over (a table made under
+        # jax.set_mesh) are Explicit there, which the kernel's Auto context refuses:
+        # they come in as arguments, made Auto as the others
+        mask, score, taken, give = _on_mesh_taken_out(mesh, query, key, mask, score)
+
+        def kernel(query, key, value, mask, score, options, taken):
+            mask, score = give(mask, score, taken)
+            return _per_head_kernel(name, query, key, value, mask, score, options,
+                                    value_name)
+
+        return jax.sharding.auto_axes(kernel, axes=explicit, out_sharding=tuple(
+            out_sharding))(query, key, value, mask, score, options, taken)
     return _per_head_kernel(name, query, key, value, mask, score, options, value_name)
+
+
+def _on_mesh(x) -> bool:
+    """Whether x is a jax array typed on a mesh of Explicit axes."""
+    if not isinstance(x, jax.Array):
+        return False
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    return mesh is not None and not mesh.empty and any(
+        kind == jax.sharding.AxisType.Explicit for kind in mesh.axis_types)
+
+
+def _on_mesh_taken_out(mesh, query, key, mask: Mask, score: Score):
+    """`(mask, score, taken, give)`: the call's functions (`_function_examples`) with
+    the arrays on `mesh` that they close over, `taken`, made their arguments, and
+    `give(mask, score, taken)`, the functions given them back. Given back, a function is
+    traced in `mesh`'s context (where the arrays it reads are typed) on arguments of the
+    shapes it is called with, and its jaxpr run there, on the arrays given."""
+    taken, converted = [], {}
+    for name, fn, args, kwargs in _function_examples(query, key, mask, score):
+        try:
+            closed = jax.make_jaxpr(lambda a, k, fn=fn: fn(*a, **k))(args, kwargs)
+        except Exception as error:  # noqa: BLE001 (the kernel reports the function's)
+            if type(error).__name__ != "ShardingTypeError":
+                continue
+            raise ValueError(
+                f"the {name} function closes over an array split over the mesh, which "
+                f"one example and head's indices cannot index in jax (an array it "
+                f"indexes by them must be on the mesh replicated, "
+                f"jax.sharding.reshard(x, P()), or a NumPy array): {error}") from None
+        on_mesh = [c for c in closed.consts if _on_mesh(c)]
+        if on_mesh:
+            converted[id(fn)] = (len(taken), [id(c) for c in on_mesh])
+            taken += on_mesh
+
+    def give(mask: Mask, score: Score, taken: list):
+        def given(fn):
+            if id(fn) not in converted:
+                return fn
+            start, ids = converted[id(fn)]
+            values = dict(zip(ids, taken[start:start + len(ids)]))
+
+            def run(*args, **kwargs):
+                shapes = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
+                    (args, kwargs))
+                with jax.sharding.use_abstract_mesh(mesh):
+                    closed, out = jax.make_jaxpr(lambda a, k: fn(*a, **k),
+                                                 return_shape=True)(*shapes)
+                consts = [values.get(id(c), c) for c in closed.consts]
+                return jax.tree.unflatten(jax.tree.structure(out), _run_here(
+                    closed.jaxpr, consts, jax.tree.leaves((args, kwargs))))
+
+            return run
+
+        return (mask.with_functions(lambda fn: (given(fn), ())),
+                dataclasses.replace(score, mod=given(score.mod), align=given(score.align)))
+
+    return mask, score, taken, give
 
 
 def _per_head_kernel(name: str, query, key, value, mask: Mask, score: Score,
@@ -904,26 +973,60 @@ def _compiles(query, key, value, mask: Mask, score: Score, options: Options):
     return functions_as_of(query, key, mask, score) if seen else None
 
 
+def _run_here(jaxpr, consts, args) -> list:
+    """The jaxpr's outputs on `args`, its operations bound in the context of the moment
+    (`jax.core.eval_jaxpr` binds each in the one it was traced in: a mesh's Explicit
+    axes inside the kernel's Auto ones). Calls of jitted functions run inline; a
+    custom_jvp or custom_vjp function too, differentiated as written."""
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        inner = {jit_p: "jaxpr", custom_jvp_call_p: "call_jaxpr",
+                 custom_vjp_call_p: "call_jaxpr"}.get(eqn.primitive)
+        if inner is not None:
+            closed = eqn.params[inner]
+            outs = _run_here(closed.jaxpr, closed.consts, ins)
+        elif any(True for _ in jax.extend.core.jaxprs_in_params(eqn.params)):
+            raise TypeError(
+                f"a score_mod, from_fn or alignment closing over arrays on a mesh of "
+                f"Explicit axes, in attention split over that mesh, runs as jax's "
+                f"operations without control flow; got {eqn.primitive} (closing over "
+                f"NumPy arrays or arrays made without the mesh, it runs as written)")
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update((v, x) for v, x in zip(eqn.outvars, outs)
+                   if not isinstance(v, jax.extend.core.DropVar))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _function_examples(query, key, mask: Mask, score: Score) -> list:
+    """`(name, fn, args, kwargs)` for each of the call's functions (score_mod, from_fn,
+    alignment): its name, the function, and abstract arguments of its signature, as
+    one head's."""
+    index, grid = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    examples = []
+    if score.mod is not None:
+        logits = jax.ShapeDtypeStruct((1, 1), _logits_dtype(query.dtype))
+        examples.append(("score_mod", score.mod, (logits, index, index, grid, grid), {}))
+    examples += [("from_fn", fn, (index, index, grid, grid), {}) for fn in mask.functions()]
+    if score.align is not None:  # per head: q [T, Hq], k [S, Hk], params after [B|1, N|1]
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
+                              score.align_params)
+        head = lambda x: jax.ShapeDtypeStruct((x.shape[1], x.shape[-1]), x.dtype)  # noqa: E731
+        examples.append(("alignment", score.align, (head(query), head(key)), params))
+    return examples
+
+
 def functions_as_of(query, key, mask: Mask, score: Score):
     """What the call's functions compute now, hashable: each one's jaxpr, traced afresh
     on abstract arguments of its signature (a Python number it reads is a literal
     there), and the values of the arrays it closes over. None where one cannot be
     traced so (the call then runs operation by operation)."""
-    index, grid = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    traced = []
-    if score.mod is not None:
-        logits = jax.ShapeDtypeStruct((1, 1), _logits_dtype(query.dtype))
-        traced.append((score.mod, (logits, index, index, grid, grid)))
-    traced += [(fn, (index, index, grid, grid)) for fn in mask.functions()]
-    if score.align is not None:  # per head: q [T, Hq], k [S, Hk], params after [B|1, N|1]
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
-                              score.align_params)
-        head = lambda x: jax.ShapeDtypeStruct((x.shape[1], x.shape[-1]), x.dtype)  # noqa: E731
-        traced.append((lambda q, k, p: score.align(q, k, **p),
-                       (head(query), head(key), params)))
     try:
-        closed = [jax.make_jaxpr(lambda *args, fn=fn: fn(*args))(*args)
-                  for fn, args in traced]
+        closed = [jax.make_jaxpr(lambda a, k, fn=fn: fn(*a, **k))(args, kwargs)
+                  for _, fn, args, kwargs in _function_examples(query, key, mask, score)]
         return tuple((str(c.jaxpr), tuple(_value_of(x) for x in c.consts)) for c in closed)
     except Exception:  # noqa: BLE001 (any failure here is the kernel's to report)
         # e.g. a function that closes over a value traced by the caller's grad or vmap

@@ -181,7 +181,7 @@ def test_functions_of_the_indices_on_explicit_meshes(rng, own_compiled_programs)
     slopes = jax.random.uniform(keys[4], (4,), jnp.float32, 0.1, 1.0)
     lengths = jnp.asarray([3, 8, 5, 1], jnp.int32)
 
-    def loss(q, k, v, slopes, table, implementation):
+    def loss(q, k, v, slopes, table, implementation, lengths=lengths):
         out = attnjax.dot_product_attention(
             q, k, v, is_causal=True, implementation=implementation,
             block_sizes=(4, 4) if implementation == "chunked" else None,
@@ -204,6 +204,24 @@ def test_functions_of_the_indices_on_explicit_meshes(rng, own_compiled_programs)
             for g, w in zip(got, want):
                 np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
             assert got[0].sharding.spec == spec
+        # the functions' arrays on the mesh too (made under jax.set_mesh), traced by the
+        # jit or closed over as they are: they had carried the mesh's Explicit axes into
+        # the kernel's Auto context ("context mesh should match")
+        on_mesh = [jax.device_put(a, PartitionSpec()) for a in (slopes, table, lengths)]
+        for implementation, call in (
+                ("dense", lambda *a: grads(*a[:5], "dense", a[5])),
+                ("chunked", lambda *a: grads(*a[:5], "chunked", lengths=on_mesh[2]))):
+            value, got = jax.jit(call)(sq, sk, sv, *on_mesh)
+            np.testing.assert_allclose(value, want_value, rtol=1e-5, atol=1e-5)
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=implementation)
+        # lengths split by examples, which jax cannot index by one example's b: named
+        split = jax.device_put(lengths, PartitionSpec("data"))
+        with pytest.raises(ValueError, match="score_mod function closes over an array split"):
+            loss(sq, sk, sv, slopes, table, "dense", lengths=split)
+        with pytest.raises(TypeError, match="without control flow; got cond"):
+            attnjax.dot_product_attention(sq, sk, sv, score_mod=lambda s, b, n, i, j: jax.lax.cond(
+                n > 0, lambda: s + on_mesh[1][n], lambda: s))
         # inside a jax.shard_map manual over "data" only, heads still sharded in their
         # type ("data" stays manual: only the Explicit axes turn Auto)
         attend = functools.partial(attnjax.dot_product_attention,

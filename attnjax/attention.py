@@ -276,8 +276,16 @@ def dot_product_attention(
             compute = functools.partial(_compiled_per_head, computed, _trace_settings())
         value_name = (name if typed else
                       _value_kernel(implementation, name, shape, attention_mask, score, options))
-        out, lse, weights = compute(name, query, key, value, bound, score, options,
-                                    value_name=value_name)
+        try:
+            out, lse, weights = compute(name, query, key, value, bound, score, options,
+                                        value_name=value_name)
+        except TypeError as error:   # jax's message names neither kernel
+            if name != "chunked" or "forward-mode autodiff" not in str(error):
+                raise
+            raise TypeError(
+                "implementation='chunked' is differentiated in reverse mode (jax.grad, "
+                "jax.vjp) only: forward mode (jax.jvp, jax.linearize, jax.jacfwd, "
+                "jax.hessian) takes implementation='dense'") from None
     if shape.unbatched:
         out, lse, weights = (None if x is None else x[0] for x in (out, lse, weights))
     out, weights = (None if x is None else x.astype(dtype) for x in (out, weights))

@@ -396,3 +396,22 @@ def test_functions_over_arrays_an_enclosing_jit_traces_train_in_every_pattern():
                  if pattern != "grad of jit" else jax.grad(loss(implementation, pattern))(q, ids)
                  for implementation in ("dense", "chunked")}
         np.testing.assert_allclose(grads["chunked"], grads["dense"], rtol=1e-5, atol=1e-5)
+
+
+def test_forward_mode_on_the_chunked_kernel_is_named():
+    """Forward mode on implementation='chunked' (a custom VJP): a TypeError naming the
+    kernel and the one that runs it (jax's own message named neither), and the dense
+    kernel's jvp is the derivative the chunked kernel's vjp gives."""
+    q, k, v, d_out = _inputs(21, 1, 6, 6, 2, 2, 4, 4)
+    chunked_call = functools.partial(attnjax.dot_product_attention, implementation="chunked",
+                                     block_sizes=(4, 4))
+    for forward_mode in (lambda f: jax.jvp(f, (q,), (d_out,)), lambda f: jax.jacfwd(f)(q)):
+        with pytest.raises(TypeError, match="implementation='chunked' is differentiated in "
+                                            "reverse mode .* takes implementation='dense'"):
+            forward_mode(lambda q: chunked_call(q, k, v))
+    _, tangent = jax.jvp(lambda q: attnjax.dot_product_attention(
+        q, k, v, implementation="dense"), (q,), (d_out,))
+    _, vjp = jax.vjp(lambda q: chunked_call(q, k, v), q)
+    # <J d, c> two ways: the dense tangent against a cotangent c, the chunked vjp of c
+    c = draws.normals(22, q.shape)[0]
+    np.testing.assert_allclose(jnp.vdot(tangent, c), jnp.vdot(vjp(c)[0], d_out), rtol=1e-5)

@@ -70,6 +70,34 @@ def test_bad_multi_process_options_exit_2_with_one_line(tmp_path, capsys, argv, 
     assert not (tmp_path / "w").exists()
 
 
+def test_a_backend_the_machine_lacks_or_too_little_address_space_is_one_line(tmp_path):
+    """JAX_PLATFORMS naming a backend this machine lacks (jax's RuntimeError had ended the
+    run in a traceback), and an address space (`ulimit -v`) too small for jax's runtime
+    (its allocations had failed in native code: a segmentation fault or an abort, saying
+    nothing): exit 2, one line, nothing written. Side by side."""
+    import resource
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (2**30, resource.RLIM_INFINITY))
+
+    runs = {
+        "JAX_PLATFORMS": (dict(JAX_PLATFORMS="no_such_backend"), None,
+                          "error: cannot start jax's backend (JAX_PLATFORMS=no_such_backend): "
+                          "Unable to initialize backend 'no_such_backend'"),
+        "ulimit": ({}, limited, "error: the address space is limited to 1024 MiB (ulimit -v); "
+                                "jax's runtime needs at least 2 GiB of it: raise the limit"),
+    }
+    started = {name: subprocess.Popen(
+        [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path / name)],
+        env=children.environment(None, **extra), preexec_fn=limit, stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, text=True) for name, (extra, limit, _) in runs.items()}
+    for name, process in started.items():
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 2, (name, err[-2000:])
+        assert err.count("\n") == 1 and err.startswith(runs[name][2]), (name, err)
+        assert not (tmp_path / name).exists()
+
+
 def test_a_coordinator_named_only_in_the_environment_is_one_line(tmp_path):
     """JAX_COORDINATOR_ADDRESS alone: jax.distributed cannot tell the process count."""
     env = dict(os.environ, JAX_COORDINATOR_ADDRESS="127.0.0.1:1")

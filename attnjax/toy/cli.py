@@ -29,6 +29,7 @@ import functools
 import gc
 import math
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -934,6 +935,25 @@ def _leave_others_briefly(status: int, wait_s: float = 30.0) -> None:
         _leave_now(status, "")
 
 
+# The address space (`ulimit -v`) below which jax's CPU runtime cannot start a run: its
+# allocations then fail in native code, which ends the process without a message (on a
+# 2-core CPU, the default copy run: 1.5 and 1.8 GB ended so, 2.0 GB trained).
+MIN_ADDRESS_SPACE = 2 * 2**30
+
+
+def _check_address_space() -> None:
+    """A ConfigError where the process's address space is limited below
+    MIN_ADDRESS_SPACE, before anything is written."""
+    try:
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (OSError, ValueError):   # a system that cannot tell
+        return
+    if limit != resource.RLIM_INFINITY and limit < MIN_ADDRESS_SPACE:
+        raise ConfigError(f"the address space is limited to {limit / 2**20:.0f} MiB "
+                          f"(ulimit -v); jax's runtime needs at least "
+                          f"{MIN_ADDRESS_SPACE / 2**30:.0f} GiB of it: raise the limit")
+
+
 def _ran_out_of_memory(error: jax.errors.JaxRuntimeError) -> bool:
     """Whether XLA's error is memory that ran out: RESOURCE_EXHAUSTED on a GPU or TPU,
     INTERNAL "... Out of memory allocating N bytes" on a CPU."""
@@ -969,6 +989,7 @@ def main(argv=None, *, early_signals=()) -> int:
                                              for o in args.overrides):
                 raise ConfigError(f"--seed {args.seed} and --set seed=... both set the seed; "
                                   f"give one")
+            _check_address_space()
             config = load_config(args.config, overrides)
             workdir = args.workdir or Path("runs") / config.task.name
             stop.stop_if_requested(_before_training(workdir))
@@ -979,6 +1000,13 @@ def main(argv=None, *, early_signals=()) -> int:
                                           mesh_lib.parse_mesh(args.mesh))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            except RuntimeError as e:   # JAX_PLATFORMS naming a backend this machine lacks
+                if "Unable to initialize backend" not in str(e):
+                    raise
+                platforms = os.environ.get("JAX_PLATFORMS")
+                raise ConfigError(f"cannot start jax's backend"
+                                  f"{f' (JAX_PLATFORMS={platforms})' if platforms else ''}: "
+                                  f"{str(e).splitlines()[0]}") from None
             _check_processes_agree(config, workdir, mesh, args.num_processes)
             summary = run(config, workdir, mesh=mesh, force_new=args.force_new, stop=stop)
         except ConfigError as e:

@@ -540,6 +540,27 @@ def test_checkpoint_damage_of_every_kind_is_found_and_skipped(tmp_path, kind):
     assert (tmp_path / DAMAGED / "3").is_dir()
 
 
+def test_every_checkpoint_damaged_is_set_aside_saying_the_run_starts_again(tmp_path):
+    """Every step damaged: each is moved aside with its warning, and one more says that
+    no intact checkpoint is left, so the run starts again from step 0 (the warnings
+    alone had not said so)."""
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=3)
+    for step in (1, 2):
+        checkpoints.save(step, _state(step), {"step": step})
+    checkpoints.close()
+    for step, kind in ((1, "manifest: missing"), (2, "array data: flipped")):
+        _damage_file(kind)(tmp_path / "checkpoints" / str(step))
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=3)
+    warnings = []
+    assert checkpoints.restore_latest(_state(0), warnings.append) is None
+    checkpoints.close()
+    assert [w.split(" (")[0] for w in warnings[:2]] == [
+        "checkpoint step 2 is damaged", "checkpoint step 1 is damaged"]
+    assert warnings[2:] == [f"no intact checkpoint is left in {tmp_path / 'checkpoints'}: "
+                            f"the run starts again from step 0"]
+    assert sorted(p.name for p in (tmp_path / DAMAGED).iterdir()) == ["1", "2"]
+
+
 def test_parameters_that_are_not_finite_are_never_checkpointed(tmp_path):
     """A checkpoint on disk is one to resume from: NaN parameters (whose loss was still
     finite) stop the run instead of becoming the "last good" checkpoint."""

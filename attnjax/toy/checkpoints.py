@@ -245,12 +245,14 @@ class Checkpoints:
                 return step
         return None
 
-    def _set_aside(self, warn) -> None:
-        """Moves damaged steps, newest first, until an intact one (or none) is left."""
+    def _set_aside(self, warn) -> int:
+        """Moves damaged steps, newest first, until an intact one (or none) is left;
+        returns how many it moved."""
+        moved = 0
         for step in sorted(self.manager.all_steps(), reverse=True):
             problem = damage(self._step_dir(step))
             if problem is None:
-                return
+                break
             target = self.directory.parent / DAMAGED / str(step)
             copies = 1
             while target.exists():
@@ -260,6 +262,8 @@ class Checkpoints:
             os.replace(self._step_dir(step), target)
             warn(f"checkpoint step {step} is damaged ({problem}); moved it to {target} and "
                  f"skipped it")
+            moved += 1
+        return moved
 
     def restore_latest(self, template, warn=print):
         """`(step, state, record)` of the newest intact checkpoint, or None when there is
@@ -267,13 +271,15 @@ class Checkpoints:
 
         template is a state of the right structure (shapes and dtypes are read from it).
         """
-        if self.primary:
-            self._set_aside(warn)
+        moved = self._set_aside(warn) if self.primary else 0
         if jax.process_count() > 1:  # the others restore once the damaged steps are gone
             multihost_utils.sync_global_devices("attnjax checkpoints verified")
         self.manager.reload()
         step = self.manager.latest_step()
         if step is None:
+            if moved:
+                warn(f"no intact checkpoint is left in {self.directory}: the run starts "
+                     f"again from step 0")
             return None
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         with _failure_said_once() as outcome:

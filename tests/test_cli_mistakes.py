@@ -250,6 +250,16 @@ def test_a_workdir_entry_of_the_wrong_kind_is_one_line_before_compiling(
     assert sorted(p.name for p in workdir.iterdir() if p.name != cli.LOCK) == ["config.yaml"]
 
 
+def test_a_workdir_that_links_to_nothing_is_one_line_naming_the_target(tmp_path, capsys):
+    """(the workdir's mkdir had said "[Errno 17] File exists")"""
+    workdir = tmp_path / "run"
+    workdir.symlink_to(tmp_path / "gone" / "there")
+    assert cli.main(["--workdir", str(workdir), *(a for o in TINY for a in ("--set", o))]) == 2
+    _one_line(capsys, f"error: --workdir {workdir} is a link to nothing "
+                      f"({tmp_path / 'gone' / 'there'}): make its target")
+    assert workdir.is_symlink() and not (tmp_path / "gone").exists()
+
+
 def _old_run(workdir: Path, config) -> dict:
     (workdir / "checkpoints" / "5").mkdir(parents=True)
     (workdir / "metrics.jsonl").write_text('{"step": 5}\n')

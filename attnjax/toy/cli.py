@@ -247,6 +247,10 @@ def _claim_workdir(workdir: Path, config: Config, force_new: bool,
     try:
         if workdir.exists() and not workdir.is_dir():
             raise ConfigError(f"--workdir {workdir} is a file, not a directory")
+        if workdir.is_symlink() and not workdir.exists():
+            raise ConfigError(f"--workdir {workdir} is a link to nothing "
+                              f"({os.readlink(workdir)}): make its target, or use another "
+                              f"--workdir")
         workdir.mkdir(parents=True, exist_ok=True)
         if primary:
             lock = _lock_workdir(workdir)

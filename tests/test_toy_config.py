@@ -139,6 +139,25 @@ def test_file_errors(tmp_path):
         load_config(dated)
 
 
+def test_a_config_past_a_mib_is_refused_before_it_is_read(tmp_path):
+    """A config of 1 MiB (comments padding a mapping) loads; one byte more, or an endless
+    device, is refused at once (a 200 MB file had kept the run reading for minutes
+    before its first step, and /dev/zero filled the memory)."""
+    rng = np.random.default_rng(7)
+    steps = int(rng.integers(10, 1000))
+    body = f"steps: {steps}\n".encode()
+    padding = b"# " + b"x" * (2**20 - len(body) - 3) + b"\n"
+    exact = tmp_path / "exact.yaml"
+    exact.write_bytes(padding + body)
+    assert exact.stat().st_size == 2**20 and load_config(exact).steps == steps
+    larger = tmp_path / "larger.yaml"
+    larger.write_bytes(b"#" + padding + body)
+    for path in (larger, Path("/dev/zero")):
+        with pytest.raises(ConfigError, match=rf"^config {path} is larger than 1 MiB: a "
+                                              rf"config is a small YAML mapping"):
+            load_config(path)
+
+
 def test_a_key_given_twice_is_refused_and_a_merged_key_may_be_overridden(tmp_path):
     """yaml keeps the last of two equal keys silently (`steps: 500` under a forgotten
     `steps: 50`); an anchor's key merged in with `<<` and given again is YAML's override."""

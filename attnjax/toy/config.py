@@ -357,6 +357,11 @@ def resolve_config(name_or_path: str | Path) -> Path:
                       f"of that name (shipped: {shipped}){hint}")
 
 
+# The largest config file read (the shipped ones are about 2 KiB; YAML reads a few MB
+# a second): larger is a mistake, a device or an endless pipe, refused before it is read.
+MAX_CONFIG_BYTES = 2**20
+
+
 def load_config(path: str | Path | None = None, overrides=()) -> Config:
     """Reads a YAML config (defaults when path is None) and applies the overrides.
 
@@ -365,9 +370,15 @@ def load_config(path: str | Path | None = None, overrides=()) -> Config:
     if path is not None:
         path = resolve_config(path)
         try:
-            data = _read_yaml(Path(path).read_text(encoding="utf-8"))
+            with open(path, "rb") as file:   # at most one byte past the limit (/dev/zero)
+                raw = file.read(MAX_CONFIG_BYTES + 1)
         except OSError as e:
             raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config {path} is larger than {MAX_CONFIG_BYTES // 2**20} MiB: "
+                              f"a config is a small YAML mapping of sections and keys")
+        try:
+            data = _read_yaml(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise ConfigError(f"config {path} is not UTF-8 text: byte {e.object[e.start]:#04x} "
                               f"at offset {e.start}") from None

@@ -21,7 +21,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core.primitives import custom_jvp_call_p, custom_vjp_call_p, jit_p
+from jax.extend.core.primitives import jit_p
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 
 from attnjax import _checks, chunked, core, cudnn, dense, heads, masks
@@ -799,8 +799,13 @@ def _on_mesh_taken_out(mesh, query, key, mask: Mask, score: Score):
                     closed, out = jax.make_jaxpr(lambda a, k: fn(*a, **k),
                                                  return_shape=True)(*shapes)
                 consts = [values.get(id(c), c) for c in closed.consts]
-                return jax.tree.unflatten(jax.tree.structure(out), _run_here(
-                    closed.jaxpr, consts, jax.tree.leaves((args, kwargs))))
+                try:
+                    outs = _run_here(closed.jaxpr, consts, jax.tree.leaves((args, kwargs)))
+                except ValueError as error:   # an operation's types of the mesh's axes
+                    if "should match" not in str(error):
+                        raise
+                    raise _cannot_run_here(str(error).splitlines()[0]) from None
+                return jax.tree.unflatten(jax.tree.structure(out), outs)
 
             return run
 
@@ -984,29 +989,50 @@ def _compiles(query, key, value, mask: Mask, score: Score, options: Options):
 def _run_here(jaxpr, consts, args) -> list:
     """The jaxpr's outputs on `args`, its operations bound in the context of the moment
     (`jax.core.eval_jaxpr` binds each in the one it was traced in: a mesh's Explicit
-    axes inside the kernel's Auto ones). Calls of jitted functions run inline; a
-    custom_jvp or custom_vjp function too, differentiated as written."""
+    axes inside the kernel's Auto ones), without the shardings on that mesh that they
+    were traced with. Calls of jitted functions run inline; control flow and functions
+    of custom derivatives (traced there) are a TypeError."""
     env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]  # noqa: E731
+
+    def read(v):
+        if not isinstance(v, jax.extend.core.Literal):
+            return env[v]
+        return np.asarray(v.val) if _on_mesh(v.val) else v.val   # a literal made there
+
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        inner = {jit_p: "jaxpr", custom_jvp_call_p: "call_jaxpr",
-                 custom_vjp_call_p: "call_jaxpr"}.get(eqn.primitive)
-        if inner is not None:
-            closed = eqn.params[inner]
-            outs = _run_here(closed.jaxpr, closed.consts, ins)
-        elif any(True for _ in jax.extend.core.jaxprs_in_params(eqn.params)):
-            raise TypeError(
-                f"a score_mod, from_fn or alignment closing over arrays on a mesh of "
-                f"Explicit axes, in attention split over that mesh, runs as jax's "
-                f"operations without control flow; got {eqn.primitive} (closing over "
-                f"NumPy arrays or arrays made without the mesh, it runs as written)")
+        params = {name: None if name in ("sharding", "out_sharding") and _explicit(value)
+                  else value for name, value in eqn.params.items()}
+        if eqn.primitive.name in ("reshard", "mesh_cast") and _explicit(
+                params.get("dst_sharding")):   # to a sharding on the mesh: as it is here
+            outs = ins if eqn.primitive.multiple_results else ins[0]
+        elif eqn.primitive is jit_p:
+            outs = _run_here(params["jaxpr"].jaxpr, params["jaxpr"].consts, ins)
+        elif any(True for _ in jax.extend.core.jaxprs_in_params(params)):
+            # control flow, and functions of custom derivatives (jax.nn.relu), whose
+            # rules were traced on the mesh's Explicit axes
+            raise _cannot_run_here(eqn.primitive)
         else:
-            outs = eqn.primitive.bind(*ins, **eqn.params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
+        outs = outs if eqn.primitive.multiple_results else [outs]
         env.update((v, x) for v, x in zip(eqn.outvars, outs)
                    if not isinstance(v, jax.extend.core.DropVar))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _cannot_run_here(what) -> TypeError:
+    return TypeError(
+        f"a score_mod, from_fn or alignment closing over arrays on a mesh of Explicit "
+        f"axes, in attention split over that mesh, runs there as jax's plain operations, "
+        f"without control flow or custom derivatives; got {what} (closing over NumPy "
+        f"arrays or arrays made without the mesh, it runs as written)")
+
+
+def _explicit(sharding) -> bool:
+    """Whether a sharding is on a mesh with Explicit axes."""
+    mesh = getattr(sharding, "mesh", None)
+    return mesh is not None and any(
+        kind == jax.sharding.AxisType.Explicit for kind in getattr(mesh, "axis_types", ()))
 
 
 def _function_examples(query, key, mask: Mask, score: Score) -> list:

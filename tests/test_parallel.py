@@ -219,9 +219,31 @@ def test_functions_of_the_indices_on_explicit_meshes(rng, own_compiled_programs)
         split = jax.device_put(lengths, PartitionSpec("data"))
         with pytest.raises(ValueError, match="score_mod function closes over an array split"):
             loss(sq, sk, sv, slopes, table, "dense", lengths=split)
-        with pytest.raises(TypeError, match="without control flow; got cond"):
-            attnjax.dot_product_attention(sq, sk, sv, score_mod=lambda s, b, n, i, j: jax.lax.cond(
-                n > 0, lambda: s + on_mesh[1][n], lambda: s))
+        # operations whose types the mesh's axes entered as they were traced there (a
+        # broadcast, a reshard, indices of two shapes): a learned relative-position
+        # table, a from_fn of document ids; values and gradients as unsharded
+        rpb = lambda q, k, v, t: jnp.sum(jnp.sin(attnjax.dot_product_attention(  # noqa: E731
+            q, k, v, score_mod=scores.relative_position_bias(t, num_buckets=4,
+                                                             max_distance=8))))
+        want_table = jax.grad(rpb, argnums=3)(q, k, v, table[None] + slopes[:, None])
+        got_table = jax.jit(jax.grad(rpb, argnums=3))(sq, sk, sv, jax.device_put(
+            table[None] + slopes[:, None], PartitionSpec()))
+        np.testing.assert_allclose(got_table, want_table, rtol=1e-4, atol=1e-5)
+        docs = np.sort(np.random.default_rng(3).integers(0, 3, (4, 8)), axis=1)
+        ids = jnp.asarray(docs)
+        np.testing.assert_allclose(
+            attnjax.dot_product_attention(sq, sk, sv, mask=masks.from_fn(
+                lambda b, n, i, j: ids[b, i] == ids[b, j])),
+            attnjax.dot_product_attention(q, k, v, mask=docs[:, None, :, None] == docs[
+                :, None, None, :]), rtol=1e-5, atol=1e-6)
+        # control flow, and custom derivatives (whose rules were traced on the mesh's
+        # Explicit axes: inlined, jax.nn.relu's gradient at 0 had differed), are named
+        for mod, what in ((lambda s, b, n, i, j: jax.lax.cond(
+                n > 0, lambda: s + on_mesh[1][n], lambda: s), "cond"),
+                          (lambda s, b, n, i, j: s + jax.nn.relu(on_mesh[1][n]), "custom_jvp")):
+            with pytest.raises(TypeError, match=f"without control flow or custom derivatives; "
+                                                f"got {what}"):
+                attnjax.dot_product_attention(sq, sk, sv, score_mod=mod)
         # inside a jax.shard_map manual over "data" only, heads still sharded in their
         # type ("data" stays manual: only the Explicit axes turn Auto)
         attend = functools.partial(attnjax.dot_product_attention,

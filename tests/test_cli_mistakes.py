@@ -75,22 +75,19 @@ def test_a_backend_the_machine_lacks_or_too_little_address_space_is_one_line(tmp
     run in a traceback), and an address space (`ulimit -v`) too small for jax's runtime
     (its allocations had failed in native code: a segmentation fault or an abort, saying
     nothing): exit 2, one line, nothing written. Side by side."""
-    import resource
-
-    def limited():
-        resource.setrlimit(resource.RLIMIT_AS, (2**30, resource.RLIM_INFINITY))
-
     runs = {
-        "JAX_PLATFORMS": (dict(JAX_PLATFORMS="no_such_backend"), None,
+        "JAX_PLATFORMS": (dict(JAX_PLATFORMS="no_such_backend"), [],
                           "error: cannot start jax's backend (JAX_PLATFORMS=no_such_backend): "
                           "Unable to initialize backend 'no_such_backend'"),
-        "ulimit": ({}, limited, "error: the address space is limited to 1024 MiB (ulimit -v); "
-                                "jax's runtime needs at least 2 GiB of it: raise the limit"),
+        # (the shell's limit, as a user sets it: no Python between fork and exec)
+        "ulimit": ({}, ["bash", "-c", 'ulimit -v 1048576 && exec "$0" "$@"'],
+                   "error: the address space is limited to 1024 MiB (ulimit -v); "
+                   "jax's runtime needs at least 2 GiB of it: raise the limit"),
     }
     started = {name: subprocess.Popen(
-        [sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path / name)],
-        env=children.environment(None, **extra), preexec_fn=limit, stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL, text=True) for name, (extra, limit, _) in runs.items()}
+        [*shell, sys.executable, str(ROOT / "train_toy.py"), "--workdir", str(tmp_path / name)],
+        env=children.environment(None, **extra), stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, text=True) for name, (extra, shell, _) in runs.items()}
     for name, process in started.items():
         _, err = process.communicate(timeout=120)
         assert process.returncode == 2, (name, err[-2000:])

@@ -754,11 +754,7 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
 
 def _on_mesh(x) -> bool:
     """Whether x is a jax array typed on a mesh of Explicit axes."""
-    if not isinstance(x, jax.Array):
-        return False
-    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-    return mesh is not None and not mesh.empty and any(
-        kind == jax.sharding.AxisType.Explicit for kind in mesh.axis_types)
+    return isinstance(x, jax.Array) and heads.explicit_spec(x) is not None
 
 
 def _on_mesh_taken_out(mesh, query, key, mask: Mask, score: Score):
@@ -993,17 +989,12 @@ def _run_here(jaxpr, consts, args) -> list:
     were traced with. Calls of jitted functions run inline; control flow and functions
     of custom derivatives (traced there) are a TypeError."""
     env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-
-    def read(v):
-        if not isinstance(v, jax.extend.core.Literal):
-            return env[v]
-        return np.asarray(v.val) if _on_mesh(v.val) else v.val   # a literal made there
-
+    read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        params = {name: None if name in ("sharding", "out_sharding") and _explicit(value)
-                  else value for name, value in eqn.params.items()}
-        if eqn.primitive.name in ("reshard", "mesh_cast") and _explicit(
+        params = {name: None if name in ("sharding", "out_sharding") and heads.is_explicit(
+            value) else value for name, value in eqn.params.items()}
+        if eqn.primitive.name in ("reshard", "mesh_cast") and heads.is_explicit(
                 params.get("dst_sharding")):   # to a sharding on the mesh: as it is here
             outs = ins if eqn.primitive.multiple_results else ins[0]
         elif eqn.primitive is jit_p:
@@ -1026,13 +1017,6 @@ def _cannot_run_here(what) -> TypeError:
         f"axes, in attention split over that mesh, runs there as jax's plain operations, "
         f"without control flow or custom derivatives; got {what} (closing over NumPy "
         f"arrays or arrays made without the mesh, it runs as written)")
-
-
-def _explicit(sharding) -> bool:
-    """Whether a sharding is on a mesh with Explicit axes."""
-    mesh = getattr(sharding, "mesh", None)
-    return mesh is not None and any(
-        kind == jax.sharding.AxisType.Explicit for kind in getattr(mesh, "axis_types", ()))
 
 
 def _function_examples(query, key, mask: Mask, score: Score) -> list:

@@ -73,12 +73,18 @@ def _map_level(fn, size: int, in_axes: list, out_axes: list):
     return mapped
 
 
+def is_explicit(sharding) -> bool:
+    """Whether a sharding is on a mesh with Explicit axes (jax.sharding.AxisType, the
+    default of jax.make_mesh under jax.set_mesh), where shardings are part of types."""
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return jax.sharding.AxisType.Explicit in types
+
+
 def explicit_spec(x):
-    """x's PartitionSpec where a mesh with Explicit axes (jax.sharding.AxisType, the
-    default of jax.make_mesh under jax.set_mesh) shards it in its type; else None."""
+    """x's PartitionSpec where a mesh with Explicit axes shards it in its type; else
+    None."""
     sharding = jax.typeof(x).sharding
-    types = getattr(sharding.mesh, "axis_types", ())
-    return sharding.spec if jax.sharding.AxisType.Explicit in types else None
+    return sharding.spec if is_explicit(sharding) else None
 
 
 def sharding(entries, like):

@@ -47,8 +47,7 @@ def _empty_cache(model, *args, method=None):
 
     def zeros(shape):
         empty = jnp.zeros(shape.shape, shape.dtype)
-        types = getattr(getattr(shape.sharding, "mesh", None), "axis_types", ())
-        if jax.sharding.AxisType.Explicit not in types:
+        if not heads.is_explicit(shape.sharding):
             return empty
         return jax.sharding.reshard(empty, shape.sharding)
 

@@ -800,7 +800,8 @@ def _on_mesh_taken_out(mesh, query, key, mask: Mask, score: Score):
                 except ValueError as error:   # an operation's types of the mesh's axes
                     if "should match" not in str(error):
                         raise
-                    raise _cannot_run_here(str(error).splitlines()[0]) from None
+                    raise _cannot_run_here(f"an operation whose types keep the mesh's axes "
+                                           f"({str(error).splitlines()[0]})") from None
                 return jax.tree.unflatten(jax.tree.structure(out), outs)
 
             return run

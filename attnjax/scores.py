@@ -282,16 +282,6 @@ def alibi_slopes(num_heads: int) -> Array:
     return jnp.asarray(2.0 ** (-8.0 * (np.arange(num_heads) + 1) / num_heads), jnp.float32)
 
 
-def _on_host_if_known(x):
-    """A score_mod's table: a known one as a NumPy array, made a jax array where the
-    score_mod is traced (under jax.set_mesh, one made here would carry the mesh's
-    Explicit axes into a kernel that runs them Auto: jax's "context mesh should match
-    the aval mesh"); a traced one (learned: its gradient flows) as it is."""
-    if isinstance(x, jax.core.Tracer):
-        return x
-    return np.asarray(x)
-
-
 def alibi(slopes: Float[ArrayLike, " N"]) -> ScoreMod:
     """ALiBi: a linear penalty on the distance, one slope per head.
 
@@ -306,14 +296,14 @@ def alibi(slopes: Float[ArrayLike, " N"]) -> ScoreMod:
         >>> attnjax.dot_product_attention(q, k, v, is_causal=True, score_mod=mod).shape
         (1, 6, 4, 8)
     """
-    slopes = _on_host_if_known(slopes)
+    slopes = jnp.asarray(slopes)
     if slopes.ndim != 1 or not jnp.issubdtype(slopes.dtype, jnp.floating):
         raise ValueError(f"alibi slopes must be a float array [N]; got {slopes.dtype} "
                          f"{_checks.shape_str(slopes.shape)}")
 
     def mod(score, b, n, q_pos, k_pos):
         distance = jnp.abs(q_pos - k_pos).astype(score.dtype)
-        return score - jnp.asarray(slopes)[n].astype(score.dtype) * distance
+        return score - slopes[n].astype(score.dtype) * distance
 
     mod.num_heads = slopes.shape[0]
     return mod
@@ -386,7 +376,7 @@ def relative_position_bias(table: Float[ArrayLike, "buckets N"], *, num_buckets:
         (1, 6, 2, 8)
     """
     _check_buckets(num_buckets, max_distance, bidirectional)
-    table = _on_host_if_known(table)
+    table = jnp.asarray(table)
     if table.ndim != 2 or table.shape[0] != num_buckets or not jnp.issubdtype(
             table.dtype, jnp.floating):
         raise ValueError(f"relative_position_bias table must be a float array "
@@ -397,7 +387,7 @@ def relative_position_bias(table: Float[ArrayLike, "buckets N"], *, num_buckets:
         bucket = relative_position_bucket(k_pos - q_pos, num_buckets=num_buckets,
                                           max_distance=max_distance,
                                           bidirectional=bidirectional)
-        return score + jnp.asarray(table)[bucket, n].astype(score.dtype)
+        return score + table[bucket, n].astype(score.dtype)
 
     mod.num_heads = table.shape[1]
     return mod

@@ -255,8 +255,9 @@ def test_functions_of_the_indices_on_explicit_meshes(rng, own_compiled_programs)
                                   out_specs=PartitionSpec("data"), axis_names={"data"})
             np.testing.assert_allclose(jax.jit(inner)(sq, sk, sv), expected,
                                        rtol=1e-5, atol=1e-6)
-        # scores' own tables made inside the block (their arrays had carried the mesh's
-        # Explicit axes into the kernel that runs them Auto: "context mesh should match")
+        # scores' own tables made inside the block, closed over as a user's arrays are
+        # (they had carried the mesh's Explicit axes into the kernel that runs them Auto:
+        # "context mesh should match")
         mod = scores.chain(scores.alibi(scores.alibi_slopes(4)), scores.relative_position_bias(
             jnp.asarray(table[None] + slopes[:, None]), num_buckets=4, max_distance=8))
         for implementation in ("dense", "chunked"):

@@ -89,6 +89,18 @@ def check_flags(**flags) -> None:
             check_flag(name, value)
 
 
+def check_sinks_init(use_sinks: bool, **given) -> None:
+    """The modules' sinks_init (and sinks_metadata): not callable, or given without
+    use_sinks=True (where no sinks are made), is a mistake."""
+    for name, value in given.items():
+        if name == "sinks_init" and value is not None and not callable(value):
+            raise TypeError(f"sinks_init must be an initialiser, called as "
+                            f"init(key, shape, dtype); got {value!r}")
+        if value and not use_sinks:
+            raise ValueError(f"{name} is for the sinks of use_sinks=True; got {name}="
+                             f"{value!r} with use_sinks=False")
+
+
 def is_int(value) -> bool:
     """A Python or NumPy integer, not a bool (what jax takes for a size)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

@@ -139,6 +139,57 @@ def test_flax_module_learns_sinks_and_applies_its_score_mod(rng):
     assert np.all(np.abs(np.asarray(grads["sinks"])) > 0)
 
 
+def test_sinks_init_and_metadata_make_the_sinks(rng, own_checks_only):
+    """sinks_init draws the sinks (with flax's partitioning wrapper or, in nnx,
+    sinks_metadata naming their axis); without it they are zeros and, in nnx, draw no
+    key, so every other parameter keeps its value. Either given without use_sinks, or an
+    initialiser that is not callable, is an error."""
+    import flax.linen as fnn
+    from flax import nnx
+
+    import attnjax.nnx as anx
+
+    x = _x(rng, B, 6, D)
+    values = _x(jax.random.fold_in(rng, 1), N)
+    init = lambda key, shape, dtype: jnp.broadcast_to(values, shape).astype(dtype)  # noqa: E731
+    module = nn.MultiHeadAttention(num_heads=N, use_sinks=True,
+                                   sinks_init=fnn.with_partitioning(init, ("heads",)))
+    variables = jax.jit(module.init)(rng, x)
+    assert fnn.get_partition_spec(variables)["params"]["sinks"] == jax.P("heads")
+    params = fnn.meta.unbox(variables)["params"]
+    np.testing.assert_array_equal(params["sinks"], values)
+    q, k, v = (jnp.einsum("BLD,DNH->BLNH", x, params[name]["kernel"])
+               + params[name]["bias"][None, None] for name in ("query", "key", "value"))
+    heads = attnjax.dot_product_attention(q, k, v, sinks=values)
+    by_hand = (jnp.einsum("BLNV,NVF->BLF", heads, params["out"]["kernel"])
+               + params["out"]["bias"][None, None])
+    np.testing.assert_allclose(jax.jit(module.apply)(variables, x), by_hand,
+                               rtol=1e-5, atol=1e-6)
+
+    mesh = jax.make_mesh((N,), ("heads",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        ours = anx.MultiHeadAttention(N, D, use_sinks=True, sinks_init=init,
+                                      sinks_metadata={"out_sharding": ("heads",)},
+                                      decode=False, rngs=nnx.Rngs(3))
+        assert ours.sinks[...].sharding.spec == jax.P("heads")
+    np.testing.assert_array_equal(ours.sinks[...], values)
+    without = anx.MultiHeadAttention(N, D, score="general", decode=False, rngs=nnx.Rngs(3))
+    zeros = anx.MultiHeadAttention(N, D, score="general", use_sinks=True, decode=False,
+                                   rngs=nnx.Rngs(3))
+    np.testing.assert_array_equal(zeros.sinks[...], np.zeros(N, np.float32))
+    zeros_params = anx.to_linen_params(zeros)
+    del zeros_params["sinks"]
+    chex.assert_trees_all_equal(zeros_params, anx.to_linen_params(without))
+
+    with pytest.raises(ValueError, match=r"sinks_init is for the sinks of use_sinks=True"):
+        nn.MultiHeadAttention(num_heads=N, sinks_init=init).init(rng, x)
+    with pytest.raises(ValueError, match=r"sinks_metadata is for the sinks of use_sinks=True"):
+        anx.MultiHeadAttention(N, D, sinks_metadata={"out_sharding": ("heads",)},
+                               rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"sinks_init must be an initialiser.*got 0.5"):
+        anx.MultiHeadAttention(N, D, use_sinks=True, sinks_init=0.5, rngs=nnx.Rngs(0))
+
+
 def test_an_option_the_module_sets_given_at_the_call_too_is_an_error(rng, own_checks_only):
     """A module's score_mod, use_sinks or score="dot" sets the engine's score_mod, sinks
     or scale: the same keyword at the call is refused, never silently one of the two

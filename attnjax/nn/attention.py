@@ -158,7 +158,8 @@ class MultiHeadDotProductAttention(nn.Module):
     attnjax's own: num_kv_heads (K < N: grouped-query, 1: multi-query attention),
     is_causal (bottom-right aligned) and window (both read positions), score_mod
     (applied to every call's logits, see `attnjax.scores`), use_sinks (a learned `[N]`
-    sink logit per head, parameter "sinks"), implementation, and score: "scaled_dot"
+    sink logit per head, parameter "sinks", drawn by sinks_init: zeros when None; wrap
+    it in `nn.with_partitioning` to name its axis), implementation, and score: "scaled_dot"
     (default), "dot" (unscaled), "general" (q W_n kᵀ with a learned `[N, H, H]` W) or
     "additive" (v_nᵀ tanh(W_q q + W_k k) with learned `[N, H, H]`, `[N, H, H]`, `[N, H]`),
     and projection_activation: φ in q = φ_Q(X W^Q + b^Q) (likewise k, v), one callable
@@ -223,6 +224,7 @@ class MultiHeadDotProductAttention(nn.Module):
     window: int | tuple[int, int] | None = None
     score_mod: Callable | None = None
     use_sinks: bool = False
+    sinks_init: Callable | None = None
     implementation: str | None = None
     score: str = "scaled_dot"
     projection_activation: Callable | tuple | None = None
@@ -250,6 +252,7 @@ class MultiHeadDotProductAttention(nn.Module):
             decode=self.decode, normalize_qk=self.normalize_qk,
             force_fp32_for_softmax=self.force_fp32_for_softmax, is_causal=self.is_causal,
             use_sinks=self.use_sinks, cache_key_value=self.cache_key_value)
+        _checks.check_sinks_init(self.use_sinks, sinks_init=self.sinks_init)
         inputs_q, inputs_k, inputs_v = _inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
         dtype = self.dtype or _promoted_dtype((inputs_q, inputs_k, inputs_v), self.param_dtype)
         inputs_q, inputs_k, inputs_v = (x.astype(dtype) for x in (inputs_q, inputs_k, inputs_v))
@@ -358,8 +361,8 @@ class MultiHeadDotProductAttention(nn.Module):
         """attnjax's engine on the module's parameters and fields."""
         sinks = None
         if self.use_sinks:
-            sinks = self.param("sinks", nn.initializers.zeros_init(), (self.num_heads,),
-                               self.param_dtype)
+            sinks = self.param("sinks", self.sinks_init or nn.initializers.zeros_init(),
+                               (self.num_heads,), self.param_dtype)
         alignment = None
         if self.score in ("general", "additive"):
             alignment = alignment_of(self.score, {

@@ -60,7 +60,8 @@ class MultiHeadAttention(nnx.Module):
     "dot" unscaled, "general" q W_n kᵀ with state "score_w" `[N, H, H]`, "additive"
     v_nᵀ tanh(W_q q + W_k k) with "score_w_q", "score_w_k" `[N, H, H]` and "score_v"
     `[N, H]`), score_mod (`attnjax.scores`), use_sinks (a learned `[N]` sink logit per
-    head, state "sinks"), implementation, and projection_activation (φ in
+    head, state "sinks", drawn by sinks_init: zeros when None; sinks_metadata, as flax's
+    *_metadata, e.g. `{"out_sharding": ("heads",)}`), implementation, and projection_activation (φ in
     q = φ_Q(X W^Q + b^Q), likewise k and v: one callable, or a (φ_Q, φ_K, φ_V) triple;
     None is the identity). These extra parameters are drawn after flax's, so every
     parameter flax's class has gets flax's value from the same `nnx.Rngs`.
@@ -119,6 +120,8 @@ class MultiHeadAttention(nnx.Module):
         score: str = "scaled_dot",
         score_mod: Callable | None = None,
         use_sinks: bool = False,
+        sinks_init: Callable | None = None,
+        sinks_metadata: Mapping[str, Any] = MappingProxyType({}),
         implementation: str | None = None,
         projection_activation: Callable | tuple | None = None,
     ):
@@ -126,6 +129,8 @@ class MultiHeadAttention(nnx.Module):
         _checks.check_flags(broadcast_dropout=broadcast_dropout, use_bias=use_bias,
                             normalize_qk=normalize_qk, keep_rngs=keep_rngs,
                             is_causal=is_causal, use_sinks=use_sinks, decode=decode)
+        _checks.check_sinks_init(use_sinks, sinks_init=sinks_init,
+                                 sinks_metadata=dict(sinks_metadata))
         check_score(score, implementation)
         multi_head.projection_activations(projection_activation)  # checks it
         self.in_kv_features = in_features if in_kv_features is None else in_kv_features
@@ -198,8 +203,10 @@ class MultiHeadAttention(nnx.Module):
         self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
 
         # attnjax's parameters, after all of flax's.
-        self.sinks = (nnx.Param(jnp.zeros((num_heads,), param_dtype)) if use_sinks
-                      else nnx.data(None))
+        # The default zeros draw no key: the parameters after them keep their values.
+        self.sinks = (nnx.Param(jnp.zeros((num_heads,), param_dtype) if sinks_init is None
+                                else sinks_init(rngs.params(), (num_heads,), param_dtype),
+                                **sinks_metadata) if use_sinks else nnx.data(None))
         for name, (init, shape) in alignment_params(score, num_heads, self.head_dim).items():
             setattr(self, name, nnx.Param(init(rngs.params(), shape, param_dtype)))
 

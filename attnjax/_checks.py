@@ -203,16 +203,20 @@ def check_bias(name: str, bias, target: Sequence[int], layout: str) -> None:
     check_finite_or_minus_inf(name, bias, "masked")
 
 
-def check_finite_or_minus_inf(name: str, x, minus_inf: str) -> None:
+def check_finite_or_minus_inf(name: str, x, minus_inf: str | None) -> None:
     """Known values (outside jit) of a float array are finite or -inf (which means
-    `minus_inf`): NaN or +inf would make every weight of their row NaN."""
-    if not isinstance(x, jax.core.Tracer):
+    `minus_inf`; None: finite only): NaN or +inf would make every weight of their row
+    NaN. Values held by other processes are not read."""
+    if not isinstance(x, jax.core.Tracer) and getattr(x, "is_fully_addressable", True):
         # float32 on the host: numpy has no bfloat16 comparisons of its own
         values = np.asarray(x, np.float32 if x.dtype.itemsize < 4 else x.dtype)
         bad = np.isnan(values) | (values == np.inf)
+        if minus_inf is None:
+            bad |= values == -np.inf
         if bad.any():
-            raise ValueError(f"{name} must be finite or -inf ({minus_inf}); got "
-                             f"{values[bad].flat[0]} at index {np.argwhere(bad)[0].tolist()}")
+            allowed = "finite" if minus_inf is None else f"finite or -inf ({minus_inf})"
+            raise ValueError(f"{name} must be {allowed}; got {values[bad].flat[0]} at "
+                             f"index {np.argwhere(bad)[0].tolist()}")
 
 
 def check_broadcastable(name: str, x, target: Sequence[int], layout: str) -> None:
@@ -336,10 +340,10 @@ def resolve_block_sizes(block_sizes) -> tuple[int, int]:
 
 
 def as_array(name: str, x, required: bool = False):
-    """A list, tuple (of numbers or jax values, traced too) or Python number as an
-    array; anything else as given (its checks name what is wrong). required: x (query,
-    key or value) must become an array, whatever it is."""
-    if required or isinstance(x, (list, tuple, int, float)) and not isinstance(x, bool):
+    """A list, tuple (of numbers or jax values, traced too) or Python number (a bool
+    too: `mask=True`) as an array; anything else as given (its checks name what is
+    wrong). required: x (query, key or value) must become an array, whatever it is."""
+    if required or isinstance(x, (list, tuple, int, float)):
         try:
             return jnp.asarray(x)
         except (TypeError, ValueError):

@@ -37,7 +37,8 @@ from jaxtyping import Array, Float
 
 from attnjax import heads
 from attnjax.core import FLOOR, MASKED
-from attnjax.masks import FULL, PARTIAL, SKIP, Grid, Mask, pad_axis, slice_block
+from attnjax.masks import (FULL, PARTIAL, SKIP, Coords, FromFn, Grid, Mask, pad_axis,
+                           slice_block)
 from attnjax.options import Options
 from attnjax.scores import Score, _logits_dtype, apply_score_mod, split_scale
 
@@ -158,7 +159,7 @@ class _Blocks:
         if self.mod is None:
             return raw
         return apply_score_mod(self.mod, raw, (at.b, at.n, at.q_pos, at.k_pos, *consts),
-                               self.bias is not None)
+                               self.bias is not None, block=True)
 
     def visible(self, at):
         """`[bq, bk]`: the Mask's answer, keys past S (padding) hidden."""
@@ -704,6 +705,7 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
         # laid out as a head's arrays, [1, 1, 1, ...]: every head gets them whole
         return fn, [jnp.asarray(c)[None, None, None] for c in consts]
 
+    _check_on_the_whole_grid(t, s, mask, score, indices[:2], q, k, bias)
     mask = mask.with_functions(mask_function)
     mod, consts = None, []
     if score.mod is not None:
@@ -715,6 +717,28 @@ def _prepare(q, k, v, mask: Mask, score: Score, block_q, block_k, dropout_rate,
     facts = _facts(score.mod, consts, bias, _logits_dtype(q.dtype), v.dtype)
     near = _near(plan, facts, given_q, given_k, score.scale, norms)
     return plan, q, k, v, bias, mask, table, mod, list(consts), facts, near
+
+
+def _check_on_the_whole_grid(t: int, s: int, mask: Mask, score: Score, heads_of, q, k, bias):
+    """The user's functions (from_fn's and score_mod) traced once more, abstractly, on
+    the call's whole `[T, S]` grid, as the dense kernel calls them, so that what each
+    returns is checked against the call's shapes: on the blocks alone, the transposed
+    answer of a square block would pass. heads_of: the example and head indices; q, k,
+    bias: what the logits are made of (their types)."""
+    if score.mod is None and not mask.functions():
+        return
+    q_pos = _varying_as(jnp.zeros((t, 1), jnp.int32), mask.q_positions)
+    k_pos = _varying_as(jnp.zeros((1, s), jnp.int32), mask.k_positions)
+    at = Coords(*heads_of, q_pos, k_pos, q_pos, k_pos)
+
+    def call():
+        for fn in mask.functions():
+            FromFn(fn).visible(at)
+        if score.mod is not None:
+            logits = _varying_as(jnp.zeros((t, s), _logits_dtype(q.dtype)), q, k, bias, mask)
+            apply_score_mod(score.mod, logits, (at.b, at.n, q_pos, k_pos), bias is not None)
+
+    jax.eval_shape(call)
 
 
 def closure_convert(fn, *example_args):

@@ -300,6 +300,8 @@ def alibi(slopes: Float[ArrayLike, " N"]) -> ScoreMod:
     if slopes.ndim != 1 or not jnp.issubdtype(slopes.dtype, jnp.floating):
         raise ValueError(f"alibi slopes must be a float array [N]; got {slopes.dtype} "
                          f"{_checks.shape_str(slopes.shape)}")
+    # (at distance 0 an infinite slope's product is NaN)
+    _checks.check_finite_or_minus_inf("alibi slopes", slopes, None)
 
     def mod(score, b, n, q_pos, k_pos):
         distance = jnp.abs(q_pos - k_pos).astype(score.dtype)
@@ -382,6 +384,8 @@ def relative_position_bias(table: Float[ArrayLike, "buckets N"], *, num_buckets:
         raise ValueError(f"relative_position_bias table must be a float array "
                          f"[num_buckets={num_buckets}, N]; got {table.dtype} "
                          f"{_checks.shape_str(table.shape)}")
+    _checks.check_finite_or_minus_inf("relative_position_bias table", table,
+                                      "those buckets masked")
 
     def mod(score, b, n, q_pos, k_pos):
         bucket = relative_position_bucket(k_pos - q_pos, num_buckets=num_buckets,
@@ -471,22 +475,27 @@ def check_alignment(out, t: int, s: int):
     return out
 
 
-def apply_score_mod(mod, logits, args, biased: bool):
+def apply_score_mod(mod, logits, args, biased: bool, block: bool = False):
     """`mod(logits, *args)` in the logits' dtype; a ValueError unless it has their shape
     (a broadcastable one would silently give every row the same scores), a TypeError
     unless it is floating (a bool or int one would be cast to scores silently).
 
     biased: the logits include a bias, whose −inf entries are a mask: they stay −inf,
     whatever score_mod makes of them (a soft cap would make −cap of them, a weight),
-    and score_mod sees 0 there, so its derivative is not taken at −inf."""
+    and score_mod sees 0 there, so its derivative is not taken at −inf.
+
+    block: the logits are a block of the chunked kernel's (its errors say so)."""
     hidden = (logits == -jnp.inf) if biased else None
     out = mod(logits if hidden is None else jnp.where(hidden, 0, logits), *args)
-    if not hasattr(out, "dtype"):
+    if not isinstance(out, (jax.Array, np.ndarray, np.generic)):   # a Python number, say
         raise TypeError(f"score_mod must return an array of scores, the score's shape "
                         f"{_checks.shape_str(logits.shape)}; got {type(out).__name__}")
     if out.shape != logits.shape:
+        where = (" (a block of the scores, which the chunked kernel gives score_mod: it "
+                 "works elementwise on the scores and indices it is given; fixed [T, S] "
+                 "logits are a bias=)") if block else ""
         raise ValueError(f"score_mod must return the score's shape "
-                         f"{_checks.shape_str(logits.shape)}; got "
+                         f"{_checks.shape_str(logits.shape)}{where}; got "
                          f"{_checks.shape_str(out.shape)}")
     if not jnp.issubdtype(out.dtype, jnp.floating):
         # a mask written as a score_mod (j <= i), say: scores of 0 and 1, not a mask

@@ -183,6 +183,14 @@ def test_causal_with_fewer_queries_sees_the_whole_prefix(rng):
     np.testing.assert_array_equal(visible, np.asarray(attnjax.causal_mask(3, 8)))
 
 
+def test_a_python_bool_mask_is_a_0_d_mask(rng):
+    """mask=True sees every key, mask=False none (zeros), as their 0-d arrays do (a
+    TypeError saying a bool is not boolean, before)."""
+    q, k, v = _qkv(rng)
+    np.testing.assert_array_equal(_attention(q, k, v, mask=True), _attention(q, k, v))
+    np.testing.assert_array_equal(_attention(q, k, v, mask=False), np.zeros(q.shape[:3] + (V,)))
+
+
 def test_unbatched_equals_batched(rng):
     generator = draws.host(rng)
     q, k, v = _qkv(generator)

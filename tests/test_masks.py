@@ -763,11 +763,26 @@ MISTAKES = [
      r"lengths key must be an array, or a list of numbers of one shape; got list"),
     ("score_mod_shape", lambda: _attend(score_mod=lambda score, b, n, q, k: score[0]),
      ValueError, r"score_mod must return the score's shape \[9, 11\]; got \[11\]"),
-    # the chunked kernel calls score_mod on blocks (here one of 16 × 16); before, it
-    # broadcast the row silently, every query getting the first one's scores
+    # the chunked kernel calls score_mod on blocks (here one of 16 × 16), and once on the
+    # call's whole grid, whose shape the error names as the dense kernel's does; before,
+    # it broadcast the row silently, every query getting the first one's scores
     ("score_mod_shape_chunked", lambda: _attend(score_mod=lambda score, b, n, q, k: score[0],
                                                 implementation="chunked"),
-     ValueError, r"score_mod must return the score's shape \[16, 16\]; got \[16\]"),
+     ValueError, r"score_mod must return the score's shape \[9, 11\]; got \[11\]"),
+    # a square block's transposed scores have the block's shape: silently wrong before
+    ("score_mod_transposed_chunked", lambda: _attend(
+        score_mod=lambda score, b, n, q, k: score.T, implementation="chunked"),
+     ValueError, r"score_mod must return the score's shape \[9, 11\]; got \[11, 9\]"),
+    ("from_fn_transposed_chunked", lambda: _attend(
+        mask=masks.from_fn(lambda b, n, q, k: (k <= q).T), implementation="chunked"),
+     ValueError, r"from_fn's function must return one boolean per query and key: a shape "
+                 r"that broadcasts with q_pos \[9, 1\] and k_pos \[1, 11\] to \[9, 11\]; "
+                 r"got \[11, 9\]"),
+    # (an AttributeError of jax's literal types before)
+    ("score_mod_number_chunked", lambda: _attend(score_mod=lambda score, b, n, q, k: 0.5,
+                                                 implementation="chunked"),
+     TypeError, r"score_mod must return an array of scores, the score's shape \[9, 11\]; "
+                r"got float"),
     ("soft_cap_zero", lambda: scores.soft_cap(0.0), ValueError,
      r"soft_cap needs a positive finite cap; got 0.0"),
     # 1/cap flushed to 0 (every logit squashed to 0), or the cap's gradients NaN
@@ -785,6 +800,15 @@ MISTAKES = [
      ValueError, r"num_buckets must be an int ≥ 4"),
     ("alibi_rank", lambda: _plain(scores.alibi)(jnp.ones((2, 3), jnp.float32)), ValueError,
      r"alibi slopes must be a float array \[N\]; got float32 \[2, 3\]"),
+    # known NaN or +inf values: every output of their heads NaN, silently, before
+    ("alibi_nan", lambda: scores.alibi(jnp.array([0.5, jnp.nan], jnp.float32)), ValueError,
+     r"alibi slopes must be finite; got nan at index \[1\]"),
+    ("alibi_minus_inf", lambda: scores.alibi(np.array([-np.inf, 0.5], np.float32)),
+     ValueError, r"alibi slopes must be finite; got -inf at index \[0\]"),
+    ("table_inf", lambda: scores.relative_position_bias(
+        jnp.ones((32, 3), jnp.bfloat16).at[4, 2].set(jnp.inf)), ValueError,
+     r"relative_position_bias table must be finite or -inf \(those buckets masked\); got "
+     r"inf at index \[4, 2\]"),
     ("table_shape", lambda: scores.relative_position_bias(jnp.ones((8, 3), jnp.float32)),
      ValueError, r"relative_position_bias table must be .*num_buckets=32.*\[8, 3\]"),
     ("chain_not_callable", lambda: _plain(scores.chain)(scores.soft_cap(1.0), 2), TypeError,

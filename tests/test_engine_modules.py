@@ -139,6 +139,28 @@ def test_flax_module_learns_sinks_and_applies_its_score_mod(rng):
     assert np.all(np.abs(np.asarray(grads["sinks"])) > 0)
 
 
+def test_decoding_new_queries_and_keys_of_two_lengths_is_a_named_error(rng, own_checks_only):
+    """decode=True appends inputs_k's tokens and places the queries at their positions:
+    a query count that differs names inputs_q and inputs_k (an error about query
+    positions the call never gave, before), in linen and nnx alike."""
+    from flax import nnx
+
+    import attnjax.nnx as anx
+
+    message = (r"with decode=True, inputs_q and inputs_k hold the same new tokens: T=1 "
+               r"queries and S=2 keys appended to the cache")
+    x = _x(rng, B, 5, D)
+    module = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
+    variables = jax.jit(module.init)(rng, x)
+    with pytest.raises(ValueError, match=message):
+        module.apply(variables, x[:, :1], x[:, 1:3], mutable=["cache"])
+    ours = anx.MultiHeadAttention(N, D, decode=True, rngs=nnx.Rngs(0))
+    ours.init_cache(x.shape)
+    with pytest.raises(ValueError, match=message):
+        ours(x[:, :1], x[:, 1:3])
+    assert int(ours.cache_index[...]) == 0
+
+
 def test_sinks_init_and_metadata_make_the_sinks(rng, own_checks_only):
     """sinks_init draws the sinks (with flax's partitioning wrapper or, in nnx,
     sinks_metadata naming their axis); without it they are zeros and, in nnx, draw no

@@ -2,6 +2,7 @@
 cache, errors), the nnx models against the linen ones (exact parameter round trips,
 equal outputs, decoding), and the toy trainer with model.api=nnx against linen."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -463,6 +464,31 @@ def test_a_refused_append_leaves_the_position_counter_as_it_was(own_checks_only)
         model(jnp.concatenate([tokens[:, 3:], tokens[:, 3:]], axis=1))
     assert int(model.embed.positions.position[...]) == 3
     np.testing.assert_allclose(model(tokens[:, 3:])[:, 0], full[:, 3], rtol=1e-5, atol=1e-5)
+
+
+def test_a_refused_call_leaves_every_cache_as_it_was(own_checks_only):
+    """A decoding call refused after its keys were projected (a mask of the wrong shape)
+    leaves the layer's cache, and every cache of a model, as it was: the refused tokens
+    had been appended in place, and the next, valid token attended to them (logits 0.12
+    off the full forward)."""
+    config = nn.DecoderOnlyConfig(vocab_size=17, d_model=32, num_heads=4, d_ff=64,
+                                  num_layers=2, dropout_rate=0.0)
+    generator = np.random.default_rng()
+    tokens = jnp.asarray(generator.integers(0, 17, (1, 5)), jnp.int32)
+    seed = int(generator.integers(1 << 30))
+    full = anx.DecoderOnly(config, rngs=nnx.Rngs(seed))(tokens)
+    model = anx.DecoderOnly(config, decode=True, rngs=nnx.Rngs(seed))
+    model.init_cache(1, 6)
+    model(tokens[:, :3])
+    layer = model.decoder.layer_0.self
+    caches = lambda: jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Cache)))  # noqa: E731
+    before = caches()
+    with pytest.raises(ValueError, match=r"mask must be broadcastable to \[B, N, T, S\]"):
+        model(tokens[:, 3:4], mask=jnp.ones((1, 1, 1, 3), bool))
+    with pytest.raises(ValueError, match=r"mask must be broadcastable to \[B, N, T, S\]"):
+        layer(_normal(1, 1, 32), mask=jnp.ones((1, 1, 1, 2), bool))
+    chex.assert_trees_all_equal(caches(), before)
+    np.testing.assert_allclose(model(tokens[:, 3:]), full[:, 3:], rtol=1e-5, atol=1e-5)
 
 
 def test_nnx_decoding_refuses_packed_rows(own_checks_only):

@@ -674,6 +674,14 @@ def engine_attention(query, key, value, mask, cached: kv_cache.Appended | None, 
         if attention_options.get("positions") is not None:
             raise ValueError("positions= cannot be given with decode=True: the "
                              "cache places new tokens at its own index")
+        new = cached.positions[0].shape[-1]
+        if query.shape[-3] != new:
+            # (the queries are placed at the new keys' positions)
+            raise ValueError(
+                f"with decode=True, inputs_q and inputs_k hold the same new tokens: T="
+                f"{query.shape[-3]} queries and S={new} keys appended to the cache (a "
+                f"cross-attention to a fixed memory takes decode=False, and "
+                f"cache_key_value=True to keep the memory projected)")
         visible = kv_cache.visible(visible, cached)
         attention_options["positions"] = cached.positions
     # the module's own options; the same option given at the call too is an error

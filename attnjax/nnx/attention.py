@@ -263,6 +263,8 @@ class MultiHeadAttention(nnx.Module):
             decode, self.decode,
             error_msg="No `decode` argument was provided to MultiHeadAttention as either "
                       "a __call__ argument, class attribute, or nnx.flag.")
+        # the cache is written once the call has run: a call refused on the way (a
+        # mask of the wrong shape, say) leaves it as it was
         cached = self._append(key, value) if decode else None
         if cached is not None:
             key, value = cached.key, cached.value
@@ -291,7 +293,14 @@ class MultiHeadAttention(nnx.Module):
                                          dropout_rate, dropout_rng, sow_weights,
                                          attention_options, replaced_by)
         # [batch..., T, F]
-        return self.out(heads, out_sharding=out_sharding)
+        out = self.out(heads, out_sharding=out_sharding)
+        if cached is not None:
+            # whole values replaced, not written into: the caches then take the keys'
+            # sharding where it is in their type (`kv_cache.append`)
+            self.cached_key.set_value(cached.key)
+            self.cached_value.set_value(cached.value)
+            self.cache_index.set_value(cached.index)
+        return out
 
     def _check_inputs(self, inputs_q, inputs_k, inputs_v) -> None:
         for name, x, features, field in (
@@ -312,14 +321,8 @@ class MultiHeadAttention(nnx.Module):
     def _append(self, key, value) -> kv_cache.Appended:
         if self.cached_key is None or self.cached_value is None or self.cache_index is None:
             raise ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
-        appended = kv_cache.append(self.cached_key[...], self.cached_value[...],
-                                   self.cache_index[...], key, value)
-        # whole values replaced, not written into: the caches then take the keys'
-        # sharding where it is in their type (`kv_cache.append`)
-        self.cached_key.set_value(appended.key)
-        self.cached_value.set_value(appended.value)
-        self.cache_index.set_value(appended.index)
-        return appended
+        return kv_cache.append(self.cached_key[...], self.cached_value[...],
+                               self.cache_index[...], key, value)
 
     def _engine(self, query, key, value, mask, cached, is_causal, dropout_rate, dropout_rng,
                 sow_weights, attention_options):

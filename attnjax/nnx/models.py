@@ -74,19 +74,6 @@ class PositionalEncoding(nnx.Module):
     def init_cache(self) -> None:
         self.position = nnx.Cache(jnp.array(0, jnp.int32))
 
-    @contextlib.contextmanager
-    def unchanged_on_error(self):
-        """A call refused inside this block (a KV cache overrun, say) leaves the counter as
-        it was: it advanced in place before the append refused the tokens, and the next
-        token was encoded at the wrong position."""
-        before = None if self.position is None else self.position[...]
-        try:
-            yield
-        except Exception:
-            if before is not None:
-                self.position[...] = before
-            raise
-
     def __call__(self, x, positions=None):
         length, d_model = x.shape[-2], x.shape[-1]
         if self.kind == "none":
@@ -287,6 +274,23 @@ def _embedding(config, vocab_size: int, rngs) -> nnx.Embed:
                      embedding_init=nnx.initializers.normal(config.d_model ** -0.5), rngs=rngs)
 
 
+@contextlib.contextmanager
+def _caches_unchanged_on_error(model):
+    """A call refused inside this block (a mask of the wrong shape for the second
+    layer's cross-attention, a KV cache overrun) leaves every cache of the model as it
+    was: the position counters, which advance before the layers run, and each layer's
+    keys, values and index, which the layers before the refusal had appended to (the
+    next token was encoded at the wrong position and attended to the refused ones)."""
+    kept = [(variable, variable.get_value()) for _, variable in nnx.iter_graph(model)
+            if isinstance(variable, nnx.Cache)]
+    try:
+        yield
+    except Exception:
+        for variable, value in kept:
+            variable.set_value(value)
+        raise
+
+
 def _init_caches(model, batch_size: int, max_length: int, dtype) -> None:
     """Size every decoding self-attention's cache and reset every position counter. A
     cache longer than learned positions is refused: its tokens past them would all be
@@ -351,7 +355,7 @@ class Transformer(_Viewed, nnx.Module):
         check_src_lengths(src_lengths, np.shape(memory)[:2])
         mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids,
                                          self.decode)
-        with self.tgt_embed.positions.unchanged_on_error():
+        with _caches_unchanged_on_error(self):
             x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, rngs=rngs,
                                embed=self.shared_embedding)
             x = self.decoder(x, memory, mask=mask, memory_mask=memory_mask,
@@ -399,7 +403,7 @@ class DecoderOnly(_Viewed, nnx.Module):
         check_tokens(c, "tokens", tokens, c.vocab_size, positions, self.decode)
         visible, positions = sequence_mask(tokens, mask, padding_mask, segment_ids, positions,
                                            self.decode)
-        with self.embed.positions.unchanged_on_error():
+        with _caches_unchanged_on_error(self):
             x = self.embed(tokens, positions, deterministic=deterministic, rngs=rngs)
             x = self.decoder(x, mask=visible, positions=positions, deterministic=deterministic,
                              sow_weights=sow_weights, rngs=rngs)

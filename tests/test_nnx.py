@@ -447,18 +447,25 @@ def test_nnx_training_matches_linen(float32):
     assert nnx_acc == linen_acc
 
 
+def _decoding_lm(num_layers: int, length: int, cache_length: int):
+    """Fresh tokens `[1, length]`, a DecoderOnly's full-forward logits of them, and the
+    decode=True model of the same parameters with its caches sized for cache_length."""
+    config = nn.DecoderOnlyConfig(vocab_size=17, d_model=32, num_heads=4, d_ff=64,
+                                  num_layers=num_layers, dropout_rate=0.0)
+    generator = np.random.default_rng()
+    tokens = jnp.asarray(generator.integers(0, 17, (1, length)), jnp.int32)
+    seed = int(generator.integers(1 << 30))
+    full = anx.DecoderOnly(config, rngs=nnx.Rngs(seed))(tokens)
+    model = anx.DecoderOnly(config, decode=True, rngs=nnx.Rngs(seed))
+    model.init_cache(1, cache_length)
+    return tokens, full, model
+
+
 def test_a_refused_append_leaves_the_position_counter_as_it_was(own_checks_only):
     """Two tokens into a cache with one free slot are refused (a KV cache overrun); the
     positions' counter had advanced in place before the refusal, and the next, valid
     token was encoded two places on (logits 0.44 off the full forward)."""
-    config = nn.DecoderOnlyConfig(vocab_size=17, d_model=32, num_heads=4, d_ff=64,
-                                  num_layers=1, dropout_rate=0.0)
-    generator = np.random.default_rng()
-    tokens = jnp.asarray(generator.integers(0, 17, (1, 4)), jnp.int32)
-    seed = int(generator.integers(1 << 30))
-    full = anx.DecoderOnly(config, rngs=nnx.Rngs(seed))(tokens)
-    model = anx.DecoderOnly(config, decode=True, rngs=nnx.Rngs(seed))
-    model.init_cache(1, 4)
+    tokens, full, model = _decoding_lm(num_layers=1, length=4, cache_length=4)
     model(tokens[:, :3])
     with pytest.raises(ValueError, match="KV cache overrun: 2 new tokens at position 3"):
         model(jnp.concatenate([tokens[:, 3:], tokens[:, 3:]], axis=1))
@@ -471,14 +478,7 @@ def test_a_refused_call_leaves_every_cache_as_it_was(own_checks_only):
     leaves the layer's cache, and every cache of a model, as it was: the refused tokens
     had been appended in place, and the next, valid token attended to them (logits 0.12
     off the full forward)."""
-    config = nn.DecoderOnlyConfig(vocab_size=17, d_model=32, num_heads=4, d_ff=64,
-                                  num_layers=2, dropout_rate=0.0)
-    generator = np.random.default_rng()
-    tokens = jnp.asarray(generator.integers(0, 17, (1, 5)), jnp.int32)
-    seed = int(generator.integers(1 << 30))
-    full = anx.DecoderOnly(config, rngs=nnx.Rngs(seed))(tokens)
-    model = anx.DecoderOnly(config, decode=True, rngs=nnx.Rngs(seed))
-    model.init_cache(1, 6)
+    tokens, full, model = _decoding_lm(num_layers=2, length=5, cache_length=6)
     model(tokens[:, :3])
     layer = model.decoder.layer_0.self
     caches = lambda: jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Cache)))  # noqa: E731
@@ -494,15 +494,9 @@ def test_a_refused_call_leaves_every_cache_as_it_was(own_checks_only):
 def test_nnx_decoding_refuses_packed_rows(own_checks_only):
     """As the linen models (tests/test_nn.py): a decode=True call with segment ids is
     refused, naming the model's argument, and the cache is left as it was."""
-    config = nn.DecoderOnlyConfig(vocab_size=17, d_model=32, num_heads=4, d_ff=64,
-                                  num_layers=1, dropout_rate=0.0)
-    generator = np.random.default_rng()
-    tokens = jnp.asarray(generator.integers(0, 17, (1, 4)), jnp.int32)
-    ids = jnp.asarray(np.sort(generator.integers(0, 2, (1, 4)), axis=1), jnp.int32)
-    seed = int(generator.integers(1 << 30))
-    full = anx.DecoderOnly(config, rngs=nnx.Rngs(seed))(tokens)
-    model = anx.DecoderOnly(config, decode=True, rngs=nnx.Rngs(seed))
-    model.init_cache(1, 8)
+    tokens, full, model = _decoding_lm(num_layers=1, length=4, cache_length=8)
+    ids = jnp.asarray(np.sort(np.random.default_rng().integers(0, 2, (1, 4)), axis=1),
+                      jnp.int32)
     with pytest.raises(ValueError, match="segment_ids packs several sequences into a row"):
         model(tokens, segment_ids=ids)
     assert int(model.embed.positions.position[...]) == 0

@@ -599,6 +599,11 @@ def _init_on_two_batch_axes(module, *args, **kwargs):
                     mask=jnp.ones((B2, B1, 1, T, T), jnp.float32)),
      ValueError, r"mask must be broadcastable to \[batch..., N, T, S\] with batch axes "
                  r"\[2, 3\]; got \[3, 2, 1, 5, 5\]"),
+    # more batch axes than the inputs': flax broadcasts its output to them
+    (lambda: _init_on_two_batch_axes(nn.MultiHeadDotProductAttention(num_heads=N),
+                    mask=jnp.ones((4, B1, B2, 1, T, T), bool)),
+     ValueError, r"mask must be broadcastable to \[batch..., N, T, S\] with batch axes "
+                 r"\[2, 3\]; got \[4, 2, 3, 1, 5, 5\]"),
     (lambda: _init_on_two_batch_axes(nn.MultiHeadDotProductAttention(
         num_heads=N, precision=(lax.Precision.HIGHEST, lax.Precision.DEFAULT))),
      ValueError, r"precision as a pair must name one precision twice.*HIGHEST.*DEFAULT"),

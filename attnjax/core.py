@@ -2,9 +2,10 @@
 
     Attention(Q, K, V) = softmax(align(Q, K)) V,   align(Q, K) = Q Kᵀ / √d_k
 
-with the softmax taken row by row over the keys each query may see. Every batched
-form in attnjax is a `jax.vmap` of these functions (or of the chunked implementation
-that computes the same numbers block by block).
+with the softmax taken row by row over the keys each query may see. The batched
+kernels compute the same numbers from the same pieces (`softmax_and_lse`,
+`contract_last`, `mix_values`): the dense kernel a head at a time, mapped over the heads
+and the batch (`attnjax.dense`, `attnjax.heads`), the chunked one block by block.
 
 Numerics: logits, the softmax and the value accumulation run in float32 for
 float16/bfloat16 inputs; results come back in the input dtype. A query row that sees no

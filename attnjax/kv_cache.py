@@ -11,7 +11,6 @@ by positions, never a T×S array — so a long cache decodes on the chunked kern
 
 import contextlib
 import logging
-import threading
 from typing import NamedTuple
 
 import jax
@@ -22,12 +21,15 @@ from jax import lax
 from attnjax import _checks, heads, masks
 
 _LOG = logging.getLogger("attnjax")
-_SIZED = threading.local()
+# Whether appends skip the overrun check: part of jit's cache key, so that a step
+# traced outside `sized_for_every_append` and called inside it (or the other way round)
+# is traced anew rather than reused with the other setting.
+_SIZED = jax.make_user_context(default_value=False)
 
 
 @contextlib.contextmanager
 def sized_for_every_append():
-    """Tracing inside it, appends skip the overrun check: each cache holds every token.
+    """Inside it, appends skip the overrun check: each cache holds every token.
 
     Under `jax.jit` the cache index is known only when a step runs, so each append checks
     for an overrun with a host callback (inside a `lax.cond`: called only on an
@@ -35,8 +37,9 @@ def sized_for_every_append():
     jax's persistent compilation cache: one attention layer decoding a `[1, 1, 256]`
     token took 284 µs a token with the check, 161 µs without it, flax's own layer 184 µs
     (`python benchmarks/decode.py --layer-only`, 2-core CPU). Size each cache with `init` on a
-    full-length input `[B, L, D]`, then trace the step inside this: as a context manager,
-    or as a decorator under `jax.jit` so that every trace of the step is. An append past
+    full-length input `[B, L, D]`, then call the step inside this, as a context manager
+    (the setting is part of jit's cache key: a step traced outside it is traced again
+    inside), or as a decorator under `jax.jit`, so that every trace of the step is. An append past
     the cache is then not reported; its tokens are written over the cache's last slots.
     attnjax's own decoding loops (`greedy_decode`, `generate`) always trace this way;
     `attnjax.nn` and `attnjax.nnx` caches alike.
@@ -57,12 +60,8 @@ def sized_for_every_append():
         >>> out.shape, int(variables["cache"]["cache_index"])
         ((1, 1, 16), 8)
     """
-    before = getattr(_SIZED, "on", False)
-    _SIZED.on = True
-    try:
+    with _SIZED(True):
         yield
-    finally:
-        _SIZED.on = before
 
 
 class Appended(NamedTuple):
@@ -169,7 +168,7 @@ def check_room(start, new: int, capacity: int) -> None:
         raise ValueError(message.format(new, "any" if isinstance(start, jax.core.Tracer)
                                         else int(start), capacity))
     if isinstance(start, jax.core.Tracer):
-        if getattr(_SIZED, "on", False):
+        if _SIZED.value:
             return
 
         def report(position):

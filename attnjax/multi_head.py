@@ -55,8 +55,8 @@ def init_multi_head_attention(
       dtype: parameter dtype.
 
     Returns:
-      `{"query", "key", "value", "out"}`, each `{"kernel", "bias"}` (LeCun-normal
-      kernels over the flattened fan-in, zero biases).
+      `{"query", "key", "value", "out"}`, each `{"kernel", "bias"}` (`{"kernel"}` with
+      use_bias=False; LeCun-normal kernels over the flattened fan-in, zero biases).
 
     Examples:
         >>> import jax, attnjax

@@ -323,8 +323,8 @@ def test_a_step_of_ones_own_traced_sized_calls_no_host_and_decodes_the_same(rng)
 
     sized = nn.sized_for_every_append()(step)
 
-    def callbacks(fn):
-        jaxpr = jax.make_jaxpr(fn)({"cache": variables["cache"]}, x[:, :1])
+    def callbacks(fn, trace=jax.make_jaxpr):
+        jaxpr = trace(fn)({"cache": variables["cache"]}, x[:, :1])
         return [eqn for eqn, _ in _equations(jaxpr.jaxpr, "cond")
                 if eqn.primitive.name == "debug_callback"]
 
@@ -342,6 +342,14 @@ def test_a_step_of_ones_own_traced_sized_calls_no_host_and_decodes_the_same(rng)
         np.testing.assert_array_equal(a, b)
     assert int(caches["sized"]["cache"]["cache_index"]) == length
     assert len(callbacks(step)) == 1
+    # As a context manager, it holds for the calls inside it, of a step jitted and traced
+    # before (jit's cache key holds the setting: the trace made outside was reused)
+    jitted = jax.jit(step)
+    traced = lambda: callbacks(jitted, lambda f: lambda *a: f.trace(*a).jaxpr)  # noqa: E731
+    assert len(traced()) == 1
+    with nn.sized_for_every_append():
+        assert traced() == []
+    assert len(traced()) == 1
 
 
 def _loop_bodies(program: str) -> str:

@@ -251,6 +251,14 @@ def test_flax_errors():
     with pytest.raises(ValueError, match=r"kind must be one of \('sinusoidal', 'learned', "
                                          r"'none'\); got 'learnt'"):
         anx.models.PositionalEncoding(8, D, kind="learnt", rngs=nnx.Rngs(0))
+    # a decoding encoding called before init_cache (positions from 0 at every call, before)
+    positional = anx.models.PositionalEncoding(8, D, decode=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"cache not initialized, call ``init_cache`` first"):
+        positional(x)
+    positional.init_cache()
+    whole = anx.models.PositionalEncoding(8, D, rngs=nnx.Rngs(0))(jnp.concatenate([x, x], 1))
+    parts = jnp.concatenate([positional(x), positional(x)], 1)
+    np.testing.assert_allclose(parts, whole, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match=r"activation must be one of \('relu', 'gelu'\); "
                                          r"got 'silu'"):
         anx.models.FeedForward(D, 8, activation="silu", rngs=nnx.Rngs(0))

@@ -20,7 +20,11 @@ def check_choice(name: str, value, allowed: tuple) -> None:
 
 
 class FeedForward(nn.Module):
-    """Position-wise Dense(d_ff) → activation → dropout → Dense(d_model).
+    """Position-wise Dense(d_ff) → activation → dropout → Dense(D, the input's width).
+
+    activation: "relu" or "gelu"; dropout_rate: on the hidden units, applied only when
+    the call's deterministic is False (its default, True, evaluates); dtype: the
+    computation's.
 
     Examples:
         >>> import jax, jax.numpy as jnp

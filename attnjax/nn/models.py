@@ -82,7 +82,15 @@ def _dtype_name(dtype) -> str:
 class BlockConfig:
     """What every attention block needs; the model configs add their own fields.
 
-    attention_soft_cap: soft-cap every attention's logits at this value
+    d_model: the width D; num_heads: N query heads (H = D / N each); num_kv_heads: K
+    key/value heads dividing N (None: N); d_ff: the feed-forward's hidden width;
+    max_len: the positions learned ones hold (and the longest input then); dropout_rate:
+    on embeddings, sublayer outputs and feed-forward hidden units (training only: the
+    models then need deterministic); attention_dropout_rate: on attention weights;
+    positional: "sinusoidal", "learned" or "none"; pre_ln: LayerNorm before each
+    sublayer (False: after); activation: "relu" or "gelu"; implementation: every
+    attention's kernel (None, "dense", "chunked", "cudnn"); dtype: the computation's
+    (parameters stay float32). attention_soft_cap: soft-cap every attention's logits at this value
     (`attnjax.scores.soft_cap`); attention_sinks: a learned sink logit per head in every
     attention (parameter "sinks"); attention_score: every attention's alignment,
     "scaled_dot" (default), "dot", "general" or "additive" (`MultiHeadAttention.score`).
@@ -118,6 +126,11 @@ class BlockConfig:
 class TransformerConfig(BlockConfig):
     """An encoder–decoder Transformer (separate source and target vocabularies).
 
+    src_vocab_size, tgt_vocab_size: the token ids' ranges; num_encoder_layers,
+    num_decoder_layers: the stacks' depths; share_embeddings: one embedding table
+    ("shared_embedding") for source and target tokens, which needs equal vocabularies
+    (the output projection stays its own). The other fields: `BlockConfig`.
+
     Examples:
         >>> import jax.numpy as jnp
         >>> from attnjax import nn
@@ -143,6 +156,9 @@ class TransformerConfig(BlockConfig):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderOnlyConfig(BlockConfig):
     """A decoder-only language model.
+
+    vocab_size: the token ids' range; num_layers: the decoder's depth; max_len defaults
+    to 256 here. The other fields: `BlockConfig`.
 
     Examples:
         >>> from attnjax import nn

@@ -59,7 +59,8 @@ class FeedForward(nnx.Module):
 class PositionalEncoding(nnx.Module):
     """Adds sinusoidal or learned (param "embedding" `[max_len, D]`) position encodings,
     or nothing ("none"). Positions are 0..L−1 unless given; with decode=True the
-    module counts the tokens it has seen (`init_cache` resets the count)."""
+    module counts the tokens it has seen from `init_cache` (which starts or resets the
+    count; a call before it is flax's error for a cache not initialised)."""
 
     def __init__(self, max_len: int, d_model: int, kind: str = "sinusoidal",
                  decode: bool = False, *, rngs: nnx.Rngs):
@@ -72,6 +73,7 @@ class PositionalEncoding(nnx.Module):
         self.position = nnx.data(None)
 
     def init_cache(self) -> None:
+        """Start counting the tokens from position 0."""
         self.position = nnx.Cache(jnp.array(0, jnp.int32))
 
     def __call__(self, x, positions=None):
@@ -79,7 +81,11 @@ class PositionalEncoding(nnx.Module):
         if self.kind == "none":
             return x
         offset = jnp.int32(0)
-        if self.decode and self.position is not None:
+        if self.decode:
+            if self.position is None:
+                # (positions from 0 at every call, silently, before)
+                raise ValueError("Autoregressive cache not initialized, call "
+                                 "``init_cache`` first.")
             offset = self.position[...]
             self.position[...] = offset + length
         if positions is None:

@@ -82,8 +82,8 @@ def ring_engine(mesh: Mesh, *, axis: str = AXIS, batch_axis: str | None = "data"
     ids, `[B]` lengths), positions (global, in the layout; default: each slot's own,
     bottom-right aligned), is_causal and scale. Attention dropout, weights, score_mod,
     bias, sinks and learned alignments are refused (ValueError), as are bool-array
-    masks, and from_fn when the batch or heads are sharded (it would see local
-    indices). T and S must be multiples of 2P: pad with `lay_out`.
+    masks (TypeError: the mask is a Mask), and from_fn when the batch or heads are
+    sharded (it would see local indices). T and S must be multiples of 2P: pad with `lay_out`.
     """
     if axis not in mesh.shape:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh; its axes are "

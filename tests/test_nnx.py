@@ -489,7 +489,8 @@ def test_a_refused_call_leaves_every_cache_as_it_was(own_checks_only):
     tokens, full, model = _decoding_lm(num_layers=2, length=5, cache_length=6)
     model(tokens[:, :3])
     layer = model.decoder.layer_0.self
-    caches = lambda: jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Cache)))  # noqa: E731
+    caches = lambda: jax.tree.map(  # noqa: E731
+        np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Cache)))
     before = caches()
     with pytest.raises(ValueError, match=r"mask must be broadcastable to \[B, N, T, S\]"):
         model(tokens[:, 3:4], mask=jnp.ones((1, 1, 1, 3), bool))

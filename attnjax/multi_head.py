@@ -263,26 +263,37 @@ def _product(x, kernel, fan_in_axes: int, precision, dot_general=lax.dot_general
     return dot_general(x, kernel, dims, precision=precision)
 
 
-def _dot(lhs, rhs, dims, precision, **kwargs):
-    """lax.dot_general(lhs, rhs, dims). Where contracted axes are sharded in their types
-    (a mesh of Explicit axes: the output projection's heads and kernel split by heads,
-    Megatron's layout), jax asks where the sum goes: a product of no batch axes goes
-    sharded as lhs's free axes and then rhs's (each mesh axis once), summed over the
-    others."""
-    (lhs_contract, rhs_contract), batch = dims
+def summed_sharding(lhs, rhs, lhs_contract, rhs_contract):
+    """Where a product of no batch axes goes where contracted axes are sharded in their
+    types (a mesh of Explicit axes: the output projection's heads and kernel split by
+    heads, Megatron's layout), which jax asks: sharded as lhs's free axes and then rhs's
+    (each mesh axis once), summed over the others. None where no contracted axis of lhs
+    is sharded in its type (jax's own choice stands)."""
     specs = [heads.explicit_spec(x) for x in (lhs, rhs)]
-    if None not in specs and batch == ((), ()) and "out_sharding" not in kwargs:
-        lhs_spec, rhs_spec = (tuple(spec) + (None,) * (x.ndim - len(spec))
-                              for spec, x in zip(specs, (lhs, rhs)))
-        if any(lhs_spec[a] is not None for a in lhs_contract):
-            entries, used = [], set()
-            for spec, contract in ((lhs_spec, lhs_contract), (rhs_spec, rhs_contract)):
-                for a, entry in enumerate(spec):
-                    names = set(entry if isinstance(entry, tuple) else (entry,)) - {None}
-                    if a not in contract:
-                        entries.append(None if names & used else entry)
-                        used |= names
-            kwargs["out_sharding"] = heads.sharding(entries, lhs)
+    if None in specs:
+        return None
+    lhs_spec, rhs_spec = (tuple(spec) + (None,) * (x.ndim - len(spec))
+                          for spec, x in zip(specs, (lhs, rhs)))
+    if all(lhs_spec[a] is None for a in lhs_contract):
+        return None
+    entries, used = [], set()
+    for spec, contract in ((lhs_spec, lhs_contract), (rhs_spec, rhs_contract)):
+        for a, entry in enumerate(spec):
+            names = set(entry if isinstance(entry, tuple) else (entry,)) - {None}
+            if a not in contract:
+                entries.append(None if names & used else entry)
+                used |= names
+    return heads.sharding(entries, lhs)
+
+
+def _dot(lhs, rhs, dims, precision, **kwargs):
+    """lax.dot_general(lhs, rhs, dims), the sum over sharded contracted axes going where
+    `summed_sharding` says."""
+    (lhs_contract, rhs_contract), batch = dims
+    if batch == ((), ()) and "out_sharding" not in kwargs:
+        out_sharding = summed_sharding(lhs, rhs, lhs_contract, rhs_contract)
+        if out_sharding is not None:
+            kwargs["out_sharding"] = out_sharding
     return lax.dot_general(lhs, rhs, dims, precision=precision, **kwargs)
 
 

@@ -345,9 +345,10 @@ def test_layers_train_on_explicit_meshes(rng, own_compiled_programs):
 def test_models_train_on_explicit_meshes(rng, own_compiled_programs):
     """The models (linen and nnx) on a mesh of Explicit axes, tokens and positions split
     by examples on "data": gradients those of the unsharded step, parameters in the
-    Megatron layout (under jax.set_mesh) or replicated (without it). (flax's token
-    lookup, and the learned positions', had been jax's ShardingTypeError: a gather by
-    sharded ids.) And decoding on the KV cache (linen's generate, nnx's steps)."""
+    Megatron layout (under jax.set_mesh) or replicated (nnx's, without it). (flax's
+    token lookup, and the learned positions', had been jax's ShardingTypeError: a
+    gather by sharded ids; nnx's output projections' sums over split heads and hidden
+    units in the Megatron layout, too.) And decoding on the KV cache (linen's generate, nnx's steps)."""
     from flax import nnx
 
     import attnjax.nnx
@@ -375,9 +376,10 @@ def test_models_train_on_explicit_meshes(rng, own_compiled_programs):
                          axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     on_mesh = functools.partial(jax.sharding.NamedSharding, mesh)
     by_example = on_mesh(PartitionSpec("data"))
-    for name, (loss, params) in losses.items():
+    for name, megatron in (("linen DecoderOnly", True), ("nnx DecoderOnly", True),
+                           ("nnx DecoderOnly", False)):
+        loss, params = losses[name]
         want = jax.grad(loss)(params, tokens, positions)
-        megatron = name.startswith("linen D")
         layout = jax.tree_util.tree_map_with_path(lambda path, leaf: on_mesh(
             mesh_lib.partition_spec(path, leaf) if megatron else PartitionSpec()), params)
         with jax.set_mesh(mesh) if megatron else contextlib.nullcontext():

@@ -292,6 +292,11 @@ class MultiHeadAttention(nnx.Module):
             heads = self._flax_attention(query, key, value, mask, cached, is_causal,
                                          dropout_rate, dropout_rng, sow_weights,
                                          attention_options, replaced_by)
+        if out_sharding is None:
+            # heads split in their types, and the kernel with them (Megatron's layout):
+            # the sum over them goes sharded as the batch (flax's is jax's error)
+            out_sharding = multi_head.summed_sharding(
+                heads, self.out.kernel[...], (heads.ndim - 2, heads.ndim - 1), (0, 1))
         # [batch..., T, F]
         out = self.out(heads, out_sharding=out_sharding)
         if cached is not None:

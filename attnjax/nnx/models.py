@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from attnjax import heads, scores
+from attnjax import heads, multi_head, scores
 from attnjax.nn import models as linen_models
 from attnjax.nn.layers import ACTIVATIONS, POSITIONAL, _sinusoids_at, check_choice
 from attnjax.nn.models import (
@@ -52,8 +52,10 @@ class FeedForward(nnx.Module):
         act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}[self.activation]
         # [B, L, F]
         hidden = self.dropout(act(self.wi(x)), deterministic=deterministic, rngs=rngs)
-        # [B, L, D]
-        return self.wo(hidden)
+        # [B, L, D]: the sum over hidden units split in their types (Megatron's layout)
+        # goes sharded as the batch
+        return self.wo(hidden, out_sharding=multi_head.summed_sharding(
+            hidden, self.wo.kernel[...], (hidden.ndim - 1,), (0,)))
 
 
 class PositionalEncoding(nnx.Module):

@@ -36,11 +36,12 @@ def sized_for_every_append():
     overrun). A program that may call the host loses jit's C++ dispatch and never enters
     jax's persistent compilation cache: one attention layer decoding a `[1, 1, 256]`
     token took 284 µs a token with the check, 161 µs without it, flax's own layer 184 µs
-    (`python benchmarks/decode.py --layer-only`, 2-core CPU). Size each cache with `init` on a
-    full-length input `[B, L, D]`, then call the step inside this, as a context manager
-    (the setting is part of jit's cache key: a step traced outside it is traced again
-    inside), or as a decorator under `jax.jit`, so that every trace of the step is. An append past
-    the cache is then not reported; its tokens are written over the cache's last slots.
+    (`python benchmarks/decode.py --layer-only`, 2-core CPU). Size each cache with `init`
+    on a full-length input `[B, L, D]`, then call the step inside this, as a context
+    manager (the setting is part of jit's cache key: a step traced outside it is traced
+    again inside), or as a decorator under `jax.jit`, so that every trace of the step is.
+    An append past the cache is then not reported; its tokens are written over the
+    cache's last slots.
     attnjax's own decoding loops (`greedy_decode`, `generate`) always trace this way;
     `attnjax.nn` and `attnjax.nnx` caches alike.
 

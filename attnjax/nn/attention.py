@@ -159,8 +159,8 @@ class MultiHeadDotProductAttention(nn.Module):
     is_causal (bottom-right aligned) and window (both read positions), score_mod
     (applied to every call's logits, see `attnjax.scores`), use_sinks (a learned `[N]`
     sink logit per head, parameter "sinks", drawn by sinks_init: zeros when None; wrap
-    it in `nn.with_partitioning` to name its axis), implementation, and score: "scaled_dot"
-    (default), "dot" (unscaled), "general" (q W_n kᵀ with a learned `[N, H, H]` W) or
+    it in `nn.with_partitioning` to name its axis), implementation, and score:
+    "scaled_dot" (default), "dot" (unscaled), "general" (q W_n kᵀ with a learned `[N, H, H]` W) or
     "additive" (v_nᵀ tanh(W_q q + W_k k) with learned `[N, H, H]`, `[N, H, H]`, `[N, H]`),
     and projection_activation: φ in q = φ_Q(X W^Q + b^Q) (likewise k, v), one callable
     for all three or a (φ_Q, φ_K, φ_V) triple (None: the identity), applied before

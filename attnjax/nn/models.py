@@ -90,8 +90,8 @@ class BlockConfig:
     positional: "sinusoidal", "learned" or "none"; pre_ln: LayerNorm before each
     sublayer (False: after); activation: "relu" or "gelu"; implementation: every
     attention's kernel (None, "dense", "chunked", "cudnn"); dtype: the computation's
-    (parameters stay float32). attention_soft_cap: soft-cap every attention's logits at this value
-    (`attnjax.scores.soft_cap`); attention_sinks: a learned sink logit per head in every
+    (parameters stay float32). attention_soft_cap: soft-cap every attention's logits at
+    this value (`attnjax.scores.soft_cap`); attention_sinks: a learned sink logit per head in every
     attention (parameter "sinks"); attention_score: every attention's alignment,
     "scaled_dot" (default), "dot", "general" or "additive" (`MultiHeadAttention.score`).
     """

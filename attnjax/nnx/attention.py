@@ -63,8 +63,9 @@ class MultiHeadAttention(nnx.Module):
     head, state "sinks", drawn by sinks_init: zeros when None; sinks_metadata, as flax's
     *_metadata, e.g. `{"out_sharding": ("heads",)}`), implementation, and
     projection_activation (φ in q = φ_Q(X W^Q + b^Q), likewise k and v: one callable, or
-    a (φ_Q, φ_K, φ_V) triple; None is the identity). These extra parameters are drawn after flax's, so every
-    parameter flax's class has gets flax's value from the same `nnx.Rngs`.
+    a (φ_Q, φ_K, φ_V) triple; None is the identity). These extra parameters are drawn
+    after flax's, so every parameter flax's class has gets flax's value from the same
+    `nnx.Rngs`.
 
     The KV cache: `init_cache(input_shape)` sizes it, as in flax, and a call with decode
     appends the new keys and values: one token at a time as in flax, or several (a

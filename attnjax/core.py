@@ -128,7 +128,8 @@ def logits(
     return out
 
 
-def mix_values(weights: Float[ArrayLike, "T S"], v: Float[ArrayLike, "S V"]) -> Float[ArrayLike, "T V"]:
+def mix_values(weights: Float[ArrayLike, "T S"],
+               v: Float[ArrayLike, "S V"]) -> Float[ArrayLike, "T V"]:
     """weights · v, accumulated in float32 and returned in v's dtype.
 
     In float16 the weights' derivative, dO·vᵀ, is a float32 product of float32

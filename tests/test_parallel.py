@@ -486,6 +486,13 @@ def test_arrays_of_one_call_sharded_differently_run_as_jax_nn_s(rng, own_compile
     assert got.sharding.spec[0] == "data"
     got = decode(src, jax.device_put(src_lengths, by_example))   # the lengths alone split
     np.testing.assert_array_equal(got, want)
+    # parameters in the Megatron layout: the keys split by heads (the loop's empty
+    # cache, made as init's, had not been: its carry changed type at the first step)
+    with jax.set_mesh(mesh):
+        got = nn.greedy_decode(model, jax.device_put(params, mesh_lib.shardings(params, mesh)),
+                               *jax.device_put((src, src_lengths), by_example), max_len=5,
+                               bos_id=1, eos_id=2)
+    np.testing.assert_array_equal(got, want)
 
     # generation of a prompt split by examples with its lengths (the sinusoidal
     # positions of the split lengths had met an unsplit scatter), and of the lengths

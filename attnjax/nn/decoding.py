@@ -39,11 +39,13 @@ def _check_model(function: str, model, kind: type, other: str) -> None:
                         f"{type(model).__name__} ({other})")
 
 
-def _empty_cache(model, *args, method=None):
+def _empty_cache(model, params, *args, method=None):
     """The zero-filled "cache" collection a decode=True model starts from, each array
-    sharded as the model's init makes it where that is in its type (a mesh of Explicit
-    axes: a while loop's carry keeps its sharding from step to step)."""
-    shapes = jax.eval_shape(functools.partial(model.init, method=method), jax.random.key(0), *args)
+    sharded as a call on params makes it where that is in its type (a mesh of Explicit
+    axes: a while loop's carry keeps its type from step to step, and the keys of
+    parameters in Megatron's layout are split by heads, which init's are not)."""
+    shapes = _without_memory(jax.eval_shape(lambda params, *args: model.apply(
+        {"params": params}, *args, method=method, mutable=["cache"])[1], params, *args))
 
     def zeros(shape):
         empty = jnp.zeros(shape.shape, shape.dtype)
@@ -159,7 +161,7 @@ def _start_cache(model: Transformer, params, memory, src_lengths, *, max_len: in
     _, tgt = heads.batch_sharded_as(memory, jnp.zeros((memory.shape[0], max_len), jnp.int32))
     decoder = model.clone(decode=True)
     # (init keeps no projected memory: the first call that decodes projects its own)
-    cache = _empty_cache(decoder, memory, tgt, method=_full_length_decoder)
+    cache = _empty_cache(decoder, params, memory, tgt, method=_full_length_decoder)
     if not memory_cache:
         return cache
     with kv_cache.sized_for_every_append():   # one token into caches of max_len
@@ -287,7 +289,7 @@ def _generate(model: DecoderOnly, params, prompt, prompt_lengths, *, max_new_tok
     rng = jax.random.key(0) if rng is None else rng
     decoder = model.clone(decode=True, deterministic=True)   # decoding never drops out
     total = _tokens_read(p, max_new_tokens)
-    cache = _empty_cache(decoder, jnp.zeros((b, total), jnp.int32))
+    cache = _empty_cache(decoder, params, jnp.zeros((b, total), jnp.int32))
     # [B]: the cache slot of each example's first token
     start = jnp.zeros((b,), jnp.int32) if prompt_lengths is None else (
         p - jnp.asarray(prompt_lengths, jnp.int32))

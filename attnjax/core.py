@@ -173,12 +173,29 @@ def contract_last(a: Float[ArrayLike, "T K"], b: Float[ArrayLike, "S K"],
     return jnp.einsum("TK,SK->TS", a, b, preferred_element_type=out_dtype)
 
 
-@contract_last.defjvp
+def is_zero(tangent) -> bool:
+    """A tangent known to be zero (`jax.custom_jvp`'s symbolic zero): its terms are
+    left out. (A product of an instantiated zero tangent, of a non-default layout that
+    XLA's CPU backend gives it, aborted the process: its dot emitter's layout check.)"""
+    return isinstance(tangent, jax.custom_derivatives.SymbolicZero)
+
+
+def sum_of(terms: list):
+    """The sum of the terms that are not None (at least one is)."""
+    terms = [t for t in terms if t is not None]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+@functools.partial(contract_last.defjvp, symbolic_zeros=True)
 def _contract_last_jvp(out_dtype, primals, tangents):
     a, b = primals
     d_a, d_b = tangents
     # d(a·bᵀ) = d_a·bᵀ + (d_b·aᵀ)ᵀ
-    tangent = contract_last(d_a, b, out_dtype) + contract_last_tangent_in_b(a, d_b, out_dtype)
+    tangent = sum_of([None if is_zero(d_a) else contract_last(d_a, b, out_dtype),
+                      None if is_zero(d_b) else contract_last_tangent_in_b(a, d_b, out_dtype)])
     return contract_last(a, b, out_dtype), tangent
 
 

@@ -110,7 +110,7 @@ def _seen_logits(q, k, rows, cols):
     return core.contract_last(q, k, _logits_dtype(q.dtype))
 
 
-@_seen_logits.defjvp
+@functools.partial(_seen_logits.defjvp, symbolic_zeros=True)
 def _seen_logits_jvp(primals, tangents):
     q, k, rows, cols = primals
     d_q, d_k = tangents[:2]
@@ -120,13 +120,20 @@ def _seen_logits_jvp(primals, tangents):
 
 
 def _logits_tangent(q, k, d_q, d_k, acc):
-    """The tangent `[T, S]` of q·kᵀ."""
+    """The tangent `[T, S]` of q·kᵀ; None where d_q and d_k are both symbolic zeros
+    (`core.is_zero`), whose terms are left out."""
+    if core.is_zero(d_q) and core.is_zero(d_k):
+        return None
     if q.shape[0] * k.shape[0] <= _SMALL_GRID:
         # contract_last's tangent: its transpose takes no product over a leading axis
-        _, tangent = jax.jvp(lambda a, b: core.contract_last(a, b, acc), (q, k), (d_q, d_k))
-        return tangent
-    return (jnp.einsum("TH,SH->TS", d_q, k, preferred_element_type=acc)
-            + jnp.einsum("TH,SH->TS", q, d_k, preferred_element_type=acc))
+        return core.sum_of([
+            None if core.is_zero(d_q) else core.contract_last(d_q, k, acc),
+            None if core.is_zero(d_k) else core.contract_last_tangent_in_b(q, d_k, acc)])
+    return core.sum_of([
+        None if core.is_zero(d_q) else jnp.einsum("TH,SH->TS", d_q, k,
+                                                  preferred_element_type=acc),
+        None if core.is_zero(d_k) else jnp.einsum("TH,SH->TS", q, d_k,
+                                                  preferred_element_type=acc)])
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8))
@@ -218,40 +225,49 @@ def _weights_times_values(weights, v, cols, total, one_query: bool):
     return (out / total).astype(v.dtype)
 
 
-@_plain.defjvp
+@functools.partial(_plain.defjvp, symbolic_zeros=True)
 def _plain_jvp(alone, logit_scale, primals, tangents):
     q, k, v, bias, visible, rows, cols = primals
+    # (tangents known to be zero, `core.is_zero`, take no product)
     d_q, d_k, d_v, d_bias = tangents[:4]
     if visible is not None:
         # hidden rows and columns meet only zero weights; a NaN there must not make 0·NaN.
         # The logits read the same selected q and k as their derivatives do (a hidden
         # row's or column's logits are masked either way): one copy of each, not two.
         q, k = jnp.where(rows[:, None], q, 0), jnp.where(cols[:, None], k, 0)
-        v, d_v = jnp.where(cols[:, None], v, 0), jnp.where(cols[:, None], d_v, 0)
+        v = jnp.where(cols[:, None], v, 0)
+        d_v = d_v if core.is_zero(d_v) else jnp.where(cols[:, None], d_v, 0)
     (out, lse), weights = _plain_forward(q, k, v, bias, visible, logit_scale)
     acc = weights.dtype
     d_logits = _logits_tangent(q, k, d_q, d_k, acc)
-    if logit_scale != 1.0:
+    if d_logits is not None and logit_scale != 1.0:
         d_logits = d_logits * logit_scale
-    if bias is not None:
-        d_logits = d_logits + d_bias.astype(acc)
+    if bias is not None and not core.is_zero(d_bias):
+        d_logits = core.sum_of([d_logits, jnp.broadcast_to(d_bias.astype(acc), weights.shape)])
     # d softmax = P ∘ (dS − rowsum(P ∘ dS)), so d(P v) = (P ∘ dS) v − rowsum(P ∘ dS) ∘ O
     # + P dv: written with O, its transpose sums dO ∘ O over [T, V], not dP ∘ P.
-    weighted = weights * d_logits
-    d_lse = jnp.sum(weighted, axis=-1)
-    # (P ∘ dS) v with v in the accumulator's dtype: transposed, dP = dO vᵀ stays in it. In
-    # half precision, v's dtype there rounded dP (of the weights' bfloat16 copy), which
-    # rowsum(dO ∘ O) then no longer cancels: a row that sees one key had a bias
-    # gradient of −0.029 in bfloat16 (jax's nn_test), where the exact value is 0.
-    weighted_mix = core.contract_last(weighted, v.astype(acc).T, acc)
-    # P dv: the barrier form (contract_last's tangent) on large grids and, on a CPU, on
-    # small ones; the einsum between them (see _MIX_EINSUM_GRIDS).
-    small = _MIX_EINSUM_GRIDS[0] if jax.default_backend() == "cpu" else 0
-    if small < weights.size <= _MIX_EINSUM_GRIDS[1]:
-        d_mixed = weighted_mix + jnp.einsum("TS,SV->TV", weights.astype(v.dtype), d_v,
-                                            preferred_element_type=acc)
+    d_lse = weighted_mix = mixed_tangent = None
+    if d_logits is not None:
+        weighted = weights * d_logits
+        d_lse = jnp.sum(weighted, axis=-1)
+        # (P ∘ dS) v with v in the accumulator's dtype: transposed, dP = dO vᵀ stays in
+        # it. In half precision, v's dtype there rounded dP (of the weights' bfloat16
+        # copy), which rowsum(dO ∘ O) then no longer cancels: a row that sees one key had
+        # a bias gradient of −0.029 in bfloat16 (jax's nn_test), where the exact value is 0.
+        weighted_mix = core.contract_last(weighted, v.astype(acc).T, acc)
+    if not core.is_zero(d_v):
+        # P dv: the barrier form (contract_last's tangent) on large grids and, on a CPU,
+        # on small ones; the einsum between them (see _MIX_EINSUM_GRIDS).
+        small = _MIX_EINSUM_GRIDS[0] if jax.default_backend() == "cpu" else 0
+        if small < weights.size <= _MIX_EINSUM_GRIDS[1]:
+            mixed_tangent = jnp.einsum("TS,SV->TV", weights.astype(v.dtype), d_v,
+                                       preferred_element_type=acc)
+        else:
+            mixed_tangent = core.contract_last_tangent_in_b(weights.astype(v.dtype), d_v.T,
+                                                            acc)
+    d_mixed = core.sum_of([weighted_mix, mixed_tangent])
+    if d_lse is None:
+        d_lse = jnp.zeros_like(lse)
     else:
-        d_mixed = weighted_mix + core.contract_last_tangent_in_b(
-            weights.astype(v.dtype), d_v.T, acc)
-    d_out = (d_mixed - d_lse[:, None] * out.astype(acc)).astype(out.dtype)
-    return (out, lse), (d_out, d_lse)
+        d_mixed = d_mixed - d_lse[:, None] * out.astype(acc)
+    return (out, lse), (d_mixed.astype(out.dtype), d_lse)

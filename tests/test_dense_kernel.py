@@ -68,6 +68,33 @@ def test_written_derivative_equals_autodiff_float64(bias_shape):
     assert jnp.any(grads[0][0, 0] != 0)
 
 
+def test_the_derivative_in_one_input_at_a_time_equals_autodiff_eagerly():
+    """Differentiated in q, k, v or the bias alone, the written derivative takes no
+    product of the others' zero tangents: eagerly, grad in q of a call whose V differs
+    from H had given XLA's CPU backend a product of a zero tangent with a transposed
+    layout, whose dot emitter aborted the process. Forward mode in one input alike."""
+    generator = draws.host(np.random.default_rng().integers(1 << 30))
+    q, k, v = draws.normals(generator, (1, 3, 2, 4), (1, 4, 2, 4), (1, 4, 2, 3))
+    bias = draws.normal(generator, (1, 2, 3, 4))
+    weights = draws.normal(generator, (1, 3, 2, 3))
+    inputs = (q, k, v, bias)
+
+    def loss(autodiff):
+        def value(q, k, v, bias):
+            out = attnjax.dot_product_attention(q, k, v, bias=bias, return_weights=autodiff,
+                                                implementation="dense")
+            return jnp.sum((out[0] if autodiff else out) * weights)
+        return value
+
+    for argnum in range(4):
+        written, autodiff = (jax.grad(loss(a), argnum)(*inputs) for a in (False, True))
+        np.testing.assert_allclose(written, autodiff, rtol=1e-5, atol=1e-6, err_msg=argnum)
+        tangents = [jnp.zeros_like(x) for x in inputs]
+        tangents[argnum] = draws.normal(generator, inputs[argnum].shape)
+        written, autodiff = (jax.jvp(loss(a), inputs, tuple(tangents))[1] for a in (False, True))
+        np.testing.assert_allclose(written, autodiff, rtol=1e-5, atol=1e-6, err_msg=argnum)
+
+
 @pytest.mark.parametrize("t, s", [(70, 66), (130, 129)])
 def test_written_derivative_equals_autodiff_float64_on_larger_grids(t, s):
     """The derivative's product of the weights and dv is written two ways by the size

@@ -68,6 +68,26 @@ def _in_shard_map(fn, *row_arrays):
     return lambda q, k, v: sharded(q, k, v, *row_arrays)
 
 
+def test_ring_self_attention_on_a_mesh_of_explicit_axes(rng):
+    """On jax.make_mesh's default mesh (Explicit axes, shardings in the types), inputs
+    unsplit or split along the sequence: the zigzag reordering and shard_map had been
+    jax's errors (a take along a split axis; in_specs that do not match the types).
+    Values and gradients equal dense; the output is split along the sequence."""
+    q, k, v, d_out = _inputs(rng, 16, 16, 4, 2, 8, 4)
+    ids = jnp.asarray(np.sort(np.random.default_rng().integers(0, 3, (2, 16)), axis=1),
+                      jnp.int32)
+    mesh = jax.make_mesh((P,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
+    attend = functools.partial(ring.ring_self_attention, mesh=mesh, is_causal=True,
+                               segment_ids=ids)
+    dense = _dense(is_causal=True, mask=masks.segments(ids))
+    with jax.set_mesh(mesh):
+        _check_against_dense(attend, dense, q, k, v, d_out)
+        split = jax.sharding.NamedSharding(mesh, PartitionSpec(None, "seq"))
+        out = jax.jit(attend)(*jax.device_put((q, k, v), split))
+    _close(out, dense(q, k, v))
+    assert out.sharding.spec[:2] == (None, "seq")
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_ring_self_attention_equals_dense(rng, is_causal):
     q, k, v, d_out = _inputs(rng, 40, 40, 6, 2, 8, 5)   # GQA, V != H, T = 4·2·5

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnjax import _checks, chunked, heads, masks
@@ -484,7 +484,7 @@ def zigzag(x, num_shards: int, axis: int = 1):
         >>> zigzag(jnp.arange(8)[None], num_shards=2).tolist()             # chunks 0, 3 | 1, 2
         [[0, 1, 6, 7, 2, 3, 4, 5]]
     """
-    return jnp.take(x, zigzag_order(x.shape[axis], num_shards), axis=axis)
+    return _reordered(x, zigzag_order(x.shape[axis], num_shards), axis)
 
 
 def unzigzag(x, num_shards: int, axis: int = 1):
@@ -497,7 +497,19 @@ def unzigzag(x, num_shards: int, axis: int = 1):
         >>> bool((unzigzag(zigzag(x, 2), 2) == x).all())
         True
     """
-    return jnp.take(x, np.argsort(zigzag_order(x.shape[axis], num_shards)), axis=axis)
+    return _reordered(x, np.argsort(zigzag_order(x.shape[axis], num_shards)), axis)
+
+
+def _reordered(x, order, axis: int):
+    """jnp.take(x, order, axis). Split along that axis in its type (a mesh of Explicit
+    axes), x keeps its sharding: the reordering moves slices across the devices, which
+    jax's own take leaves to the caller there (its ShardingTypeError)."""
+    spec = heads.explicit_spec(x)
+    if spec is None or len(spec) <= axis % x.ndim or spec[axis % x.ndim] is None:
+        return jnp.take(x, order, axis=axis)
+    sharding = jax.typeof(x).sharding
+    return jax.sharding.auto_axes(lambda x: jnp.take(x, order, axis=axis),
+                                  out_sharding=sharding)(x)
 
 
 def zigzag_order(length: int, num_shards: int) -> np.ndarray:
@@ -647,6 +659,13 @@ def _sharded(query, key, value, per_position, *, mask, mesh, axis, batch_axis, h
 
     spec = PartitionSpec(batch_axis, axis, head_axis, None)
     rows = {name: PartitionSpec(batch_axis, axis) for name in per_position}
+    if jax.sharding.AxisType.Explicit in mesh.axis_types:
+        # On a mesh of Explicit axes shard_map takes arrays typed as its specs: arrays
+        # split otherwise, or not at all, are split so first (an Auto mesh's are
+        # implicitly; jax's in_specs error, before).
+        on = lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec))  # noqa: E731
+        query, key, value = (on(x, spec) for x in (query, key, value))
+        per_position = {name: on(x, rows[name]) for name, x in per_position.items()}
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, rows),
                          out_specs=spec, check_vma=False)(query, key, value, per_position)
 

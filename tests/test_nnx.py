@@ -497,6 +497,16 @@ def test_a_refused_call_leaves_every_cache_as_it_was(own_checks_only):
     with pytest.raises(ValueError, match=r"mask must be broadcastable to \[B, N, T, S\]"):
         layer(_normal(1, 1, 32), mask=jnp.ones((1, 1, 1, 2), bool))
     chex.assert_trees_all_equal(caches(), before)
+    # refused by the second layer after the first has appended (its cache cut short)
+    second = model.decoder.layer_1.self
+    for name in ("cached_key", "cached_value"):
+        getattr(second, name).set_value(getattr(second, name)[...][:, :4])
+    shortened = caches()
+    with pytest.raises(ValueError, match="KV cache overrun: 2 new tokens at position 3"):
+        model(tokens[:, 3:])
+    chex.assert_trees_all_equal(caches(), shortened)
+    for name in ("cached_key", "cached_value"):
+        getattr(second, name).set_value(jnp.asarray(before["decoder"]["layer_1"]["self"][name]))
     np.testing.assert_allclose(model(tokens[:, 3:]), full[:, 3:], rtol=1e-5, atol=1e-5)
 
 

@@ -9,6 +9,8 @@ holds exactly the values flax's class draws from the same `nnx.Rngs`; the attent
 (`attnjax.nn.attention.engine_attention`), and the KV cache is `attnjax.kv_cache`.
 """
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -39,6 +41,43 @@ def check_rngs(rngs) -> None:
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs (nnx.Rngs(0), say); got "
                         f"{type(rngs).__name__}")
+
+
+# The cache writes of the calls inside `caches_unchanged_on_error`: (variable, its value
+# before), to restore if the call is refused.
+_WRITES = contextvars.ContextVar("attnjax_nnx_cache_writes", default=None)
+
+
+def write_cache(variable, value) -> None:
+    """variable.set_value(value), noting the value before where
+    `caches_unchanged_on_error` is open."""
+    writes = _WRITES.get()
+    if writes is not None:
+        writes.append((variable, variable.get_value()))
+    variable.set_value(value)
+
+
+@contextlib.contextmanager
+def caches_unchanged_on_error():
+    """A call refused inside this block (a mask of the wrong shape for the second
+    layer's cross-attention, a KV cache overrun) leaves every cache written inside it
+    (`write_cache`) as it was: the position counters, which advance before the layers
+    run, and the caches of the layers before the refusal (the next token was encoded at
+    the wrong position and attended to the refused ones). Only what was written is
+    noted: no walk over the model."""
+    writes = []
+    token = _WRITES.set(writes)
+    try:
+        yield
+    except Exception:
+        for variable, value in reversed(writes):
+            variable.set_value(value)
+        raise
+    finally:
+        _WRITES.reset(token)
+    outer = _WRITES.get()
+    if outer is not None:   # (an enclosing block restores these too)
+        outer.extend(writes)
 
 
 class MultiHeadAttention(nnx.Module):
@@ -303,9 +342,10 @@ class MultiHeadAttention(nnx.Module):
         if cached is not None:
             # whole values replaced, not written into: the caches then take the keys'
             # sharding where it is in their type (`kv_cache.append`)
-            self.cached_key.set_value(cached.key)
-            self.cached_value.set_value(cached.value)
-            self.cache_index.set_value(cached.index)
+            for variable, value in ((self.cached_key, cached.key),
+                                    (self.cached_value, cached.value),
+                                    (self.cache_index, cached.index)):
+                write_cache(variable, value)
         return out
 
     def _check_inputs(self, inputs_q, inputs_k, inputs_v) -> None:

@@ -10,7 +10,6 @@ call arguments, plus `rngs` (an `nnx.Rngs` with a "dropout" stream) where linen 
 max_length)` sizes every KV cache (`attnjax.kv_cache`) and the positions' counters.
 """
 
-import contextlib
 from typing import Any
 
 import jax
@@ -33,7 +32,8 @@ from attnjax.nn.models import (
     source_mask,
     target_masks,
 )
-from attnjax.nnx.attention import MultiHeadAttention, check_rngs
+from attnjax.nnx.attention import (MultiHeadAttention, caches_unchanged_on_error, check_rngs,
+                                   write_cache)
 
 
 class FeedForward(nnx.Module):
@@ -89,7 +89,7 @@ class PositionalEncoding(nnx.Module):
                 raise ValueError("Autoregressive cache not initialized, call "
                                  "``init_cache`` first.")
             offset = self.position[...]
-            self.position[...] = offset + length
+            write_cache(self.position, offset + length)
         if positions is None:
             # [1, L]
             positions = offset + lax.broadcasted_iota(jnp.int32, (1, length), 1)
@@ -282,23 +282,6 @@ def _embedding(config, vocab_size: int, rngs) -> nnx.Embed:
                      embedding_init=nnx.initializers.normal(config.d_model ** -0.5), rngs=rngs)
 
 
-@contextlib.contextmanager
-def _caches_unchanged_on_error(model):
-    """A call refused inside this block (a mask of the wrong shape for the second
-    layer's cross-attention, a KV cache overrun) leaves every cache of the model as it
-    was: the position counters, which advance before the layers run, and each layer's
-    keys, values and index, which the layers before the refusal had appended to (the
-    next token was encoded at the wrong position and attended to the refused ones)."""
-    kept = [(variable, variable.get_value()) for _, variable in nnx.iter_graph(model)
-            if isinstance(variable, nnx.Cache)]
-    try:
-        yield
-    except Exception:
-        for variable, value in kept:
-            variable.set_value(value)
-        raise
-
-
 def _init_caches(model, batch_size: int, max_length: int, dtype) -> None:
     """Size every decoding self-attention's cache and reset every position counter. A
     cache longer than learned positions is refused: its tokens past them would all be
@@ -363,7 +346,7 @@ class Transformer(_Viewed, nnx.Module):
         check_src_lengths(src_lengths, np.shape(memory)[:2])
         mask, memory_mask = target_masks(src_lengths, tgt_segment_ids, src_segment_ids,
                                          self.decode)
-        with _caches_unchanged_on_error(self):
+        with caches_unchanged_on_error():
             x = self.tgt_embed(tgt, tgt_positions, deterministic=deterministic, rngs=rngs,
                                embed=self.shared_embedding)
             x = self.decoder(x, memory, mask=mask, memory_mask=memory_mask,
@@ -411,7 +394,7 @@ class DecoderOnly(_Viewed, nnx.Module):
         check_tokens(c, "tokens", tokens, c.vocab_size, positions, self.decode)
         visible, positions = sequence_mask(tokens, mask, padding_mask, segment_ids, positions,
                                            self.decode)
-        with _caches_unchanged_on_error(self):
+        with caches_unchanged_on_error():
             x = self.embed(tokens, positions, deterministic=deterministic, rngs=rngs)
             x = self.decoder(x, mask=visible, positions=positions, deterministic=deterministic,
                              sow_weights=sow_weights, rngs=rngs)

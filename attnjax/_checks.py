@@ -89,13 +89,13 @@ def check_flags(**flags) -> None:
             check_flag(name, value)
 
 
-def check_sinks_init(use_sinks: bool, **given) -> None:
-    """The modules' sinks_init (and sinks_metadata): not callable, or given without
-    use_sinks=True (where no sinks are made), is a mistake."""
-    for name, value in given.items():
-        if name == "sinks_init" and value is not None and not callable(value):
-            raise TypeError(f"sinks_init must be an initialiser, called as "
-                            f"init(key, shape, dtype); got {value!r}")
+def check_sinks_init(use_sinks: bool, sinks_init, sinks_metadata=None) -> None:
+    """The modules' sinks_init (and nnx's sinks_metadata): not callable, or given
+    without use_sinks=True (where no sinks are made), is a mistake."""
+    if sinks_init is not None and not callable(sinks_init):
+        raise TypeError(f"sinks_init must be an initialiser, called as init(key, shape, "
+                        f"dtype); got {sinks_init!r}")
+    for name, value in (("sinks_init", sinks_init), ("sinks_metadata", sinks_metadata)):
         if value and not use_sinks:
             raise ValueError(f"{name} is for the sinks of use_sinks=True; got {name}="
                              f"{value!r} with use_sinks=False")

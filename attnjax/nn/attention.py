@@ -252,7 +252,7 @@ class MultiHeadDotProductAttention(nn.Module):
             decode=self.decode, normalize_qk=self.normalize_qk,
             force_fp32_for_softmax=self.force_fp32_for_softmax, is_causal=self.is_causal,
             use_sinks=self.use_sinks, cache_key_value=self.cache_key_value)
-        _checks.check_sinks_init(self.use_sinks, sinks_init=self.sinks_init)
+        _checks.check_sinks_init(self.use_sinks, self.sinks_init)
         inputs_q, inputs_k, inputs_v = _inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
         dtype = self.dtype or _promoted_dtype((inputs_q, inputs_k, inputs_v), self.param_dtype)
         inputs_q, inputs_k, inputs_v = (x.astype(dtype) for x in (inputs_q, inputs_k, inputs_v))

@@ -169,8 +169,7 @@ class MultiHeadAttention(nnx.Module):
         _checks.check_flags(broadcast_dropout=broadcast_dropout, use_bias=use_bias,
                             normalize_qk=normalize_qk, keep_rngs=keep_rngs,
                             is_causal=is_causal, use_sinks=use_sinks, decode=decode)
-        _checks.check_sinks_init(use_sinks, sinks_init=sinks_init,
-                                 sinks_metadata=dict(sinks_metadata))
+        _checks.check_sinks_init(use_sinks, sinks_init, dict(sinks_metadata))
         check_score(score, implementation)
         multi_head.projection_activations(projection_activation)  # checks it
         self.in_kv_features = in_features if in_kv_features is None else in_kv_features

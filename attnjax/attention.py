@@ -749,6 +749,10 @@ def _per_head(name: str, query, key, value, mask: Mask, score: Score, options: O
 
         return jax.sharding.auto_axes(kernel, axes=explicit, out_sharding=tuple(
             out_sharding))(query, key, value, mask, score, options, taken)
+    if spec is not None and _user_functions(mask, score):
+        # batch and heads whole: the functions run on the mesh as they are, and one
+        # closing over an array split over it is the named error above, not jax's
+        _on_mesh_taken_out(jax.typeof(query).sharding.mesh, query, key, mask, score)
     return _per_head_kernel(name, query, key, value, mask, score, options, value_name)
 
 

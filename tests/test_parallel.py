@@ -219,6 +219,10 @@ def test_functions_of_the_indices_on_explicit_meshes(rng, own_compiled_programs)
         split = jax.device_put(lengths, PartitionSpec("data"))
         with pytest.raises(ValueError, match="score_mod function closes over an array split"):
             loss(sq, sk, sv, slopes, table, "dense", lengths=split)
+        # the same where the inputs' batch and heads are whole (had been jax's error)
+        whole = [jax.device_put(a, PartitionSpec()) for a in (q, k, v)]
+        with pytest.raises(ValueError, match="score_mod function closes over an array split"):
+            loss(*whole, slopes, table, "dense", lengths=split)
         # operations whose types the mesh's axes entered as they were traced there (a
         # broadcast, a reshard, indices of two shapes): a learned relative-position
         # table, a from_fn of document ids; values and gradients as unsharded

@@ -352,7 +352,8 @@ def test_models_train_on_explicit_meshes(rng, own_compiled_programs):
     Megatron layout (under jax.set_mesh) or replicated (nnx's, without it). (flax's
     token lookup, and the learned positions', had been jax's ShardingTypeError: a
     gather by sharded ids; nnx's output projections' sums over split heads and hidden
-    units in the Megatron layout, too.) And decoding on the KV cache (linen's generate, nnx's steps)."""
+    units in the Megatron layout, too.) And decoding on the KV cache (linen's generate,
+    nnx's steps)."""
     from flax import nnx
 
     import attnjax.nnx

@@ -379,8 +379,11 @@ def _forward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: bo
         row_sum = row_sum + jnp.sum(p, axis=-1)
         if plan.dropout_rate > 0.0:
             p = p * blocks.keep_scale(i, j)
-        # [bq, V]
-        pv = jnp.einsum("TS,SV->TV", p.astype(v_j.dtype), v_j, preferred_element_type=acc.dtype)
+        # [bq, V]: with v in float32 (16-bit values are exact there) rather than the
+        # weights rounded to 16 bits, so that O is P v, as the backward pass's rowsum(dO ∘
+        # O) must be: with weights of 8 bits, where keys share a large part (d_q = Σ ds·k
+        # cancels it), chunked's bfloat16 d_q had 10 times jax.nn's error.
+        pv = jnp.einsum("TS,SV->TV", p, v_j.astype(acc.dtype), preferred_element_type=acc.dtype)
         return ((new_max, row_sum, acc + pv),)
 
     return step
@@ -388,10 +391,10 @@ def _forward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: bo
 
 def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
              facts: _Facts = _Facts()):
-    """Output `[B, K, G, Tp, V]`, log-sum-exp `[B, K, G, Tp]` (MASKED for rows that see
-    nothing) and its parts (`_backward`'s `lse_parts`). q `[B, K, G, Tp, H]` (heads
-    first, pre-scaled), k and v `[B, Sp, K, ·]` (or already head-major,
-    `[B, K, 1, Sp, ·]`)."""
+    """Output `[B, K, G, Tp, V]` in the accumulation dtype (float32, or float64),
+    log-sum-exp `[B, K, G, Tp]` (MASKED for rows that see nothing) and its parts
+    (`_backward`'s `lse_parts`). q `[B, K, G, Tp, H]` (heads first, pre-scaled), k and v
+    `[B, Sp, K, ·]` (or already head-major, `[B, K, 1, Sp, ·]`)."""
     sizes = q.shape[:3]
     acc_dtype = _logits_dtype(v.dtype)
     # The block products want keys and values head-major, [B, K, 1, ·, ·] ("heads"
@@ -452,7 +455,7 @@ def _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
         # (zeros for a row that saw nothing)
         shift, log_sum = jnp.where(seen, row_max, 0.0), jnp.log(safe_sum)
         lse = jnp.where(seen, shift + log_sum, MASKED)
-        return out.astype(v.dtype), lse, (shift, log_sum)
+        return out, lse, (shift, log_sum)
 
     xs = (jnp.arange(plan.num_q_blocks, dtype=jnp.int32),) + tuple(rows)
     # [nq, B, K, G, bq, V], [nq, B, K, G, bq]
@@ -506,13 +509,15 @@ def _backward_step(plan, mod, facts: _Facts, consts, i, j, masked: bool, near: b
         ds, d_consts = modify_vjp(p * (dp - delta_i[:, None]))
         # q·kᵀ's own gradient (the bias's is ds)
         ds_qk = ds if plan.logit_scale == 1.0 else ds * plan.logit_scale
-        if q_i.dtype == jnp.float16:
-            # ds grows with dO·vᵀ (|dO|·|v|·V), past float16's 65504 where every input,
-            # output and gradient fits: its products take float32 operands (float16
-            # values are exact in float32).
+        if q_i.dtype != acc_dtype:
+            # ds's products take float32 operands (16-bit values are exact in float32):
+            # in float16, ds grows with dO·vᵀ (|dO|·|v|·V) past 65504 where every input,
+            # output and gradient fits; in bfloat16, d_q = Σ ds·k cancels where the keys
+            # a row weighs are alike (its ds sums to 0), and ds rounded to 8 bits left
+            # d_q 25% off (jax.nn: exact).
             ds_in, q_t, k_j = ds_qk, q_t.astype(acc_dtype), k_j.astype(acc_dtype)
         else:
-            ds_in = ds_qk.astype(q_i.dtype)
+            ds_in = ds_qk
         # [H, bk]
         d_k = jnp.einsum("HT,TS->HS", wide(q_t), wide(ds_in), preferred_element_type=acc_dtype)
         d_q = jnp.einsum("TS,SH->TH", ds_in, k_j, preferred_element_type=acc_dtype)
@@ -531,7 +536,8 @@ def _backward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, cols, 
     sizes = q.shape[:3]
     acc_dtype = _logits_dtype(v.dtype)
     # [B, K, G, Tp]: rowsum(dO ∘ O) = rowsum(dP ∘ P), also under dropout; minus the lse's
-    # cotangent.
+    # cotangent. (O as accumulated: rounded to 16 bits, it no longer equals P v, and in a
+    # row whose weights are sharp the difference, times |k|, outweighed d_q itself.)
     delta = jnp.sum(d_out.astype(acc_dtype) * out.astype(acc_dtype), axis=-1)
     if d_lse is not None:
         delta = delta - d_lse.astype(acc_dtype)
@@ -643,13 +649,16 @@ def _kernel(plan: _Plan, mod, facts: _Facts):
 
     @jax.custom_vjp
     def attend(q, k, v, bias, sinks, consts, mask, dropout_key, rows, cols):
-        return _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key, rows,
-                        facts)[:2]
+        out, lse, _ = _forward(plan, mod, q, k, v, mask, bias, sinks, consts, dropout_key,
+                               rows, facts)
+        return out.astype(v.dtype), lse
 
     def forward(q, k, v, bias, sinks, consts, mask, dropout_key, rows, cols):
+        # the output kept for the backward pass as accumulated, not rounded (`_backward`)
         out, lse, parts = _forward(plan, mod, q, k, v, mask, bias, sinks, consts,
                                    dropout_key, rows, facts)
-        return (out, lse), (q, k, v, bias, sinks, consts, mask, dropout_key, cols, out, parts)
+        return (out.astype(v.dtype), lse), (q, k, v, bias, sinks, consts, mask, dropout_key,
+                                            cols, out, parts)
 
     def backward(residuals, cotangents):
         q, k, v, bias, sinks, consts, mask, dropout_key, cols, out, parts = residuals
@@ -868,9 +877,10 @@ def _attend(q, k, v, mask: Mask, score: Score, options: Options, norms=None):
 
 def forward_with_lse(q, k, v, mask: Mask, score: Score, block_sizes=(None, None),
                      rows_first: bool = True):
-    """Output `[B, T, K, G, V]` and log-sum-exp `[B, T, K, G]` against these keys only
-    (no dropout, no sinks); arguments as for `attend`, but k and v may come head-major,
-    `[B, K, 1, S, ·]`, as ring attention carries them (no copy of them per call). Not
+    """Output `[B, T, K, G, V]` and log-sum-exp `[B, T, K, G]`, both in the accumulation
+    dtype (float32, or float64), against these keys only (no dropout, no sinks);
+    arguments as for `attend`, but k and v may come head-major, `[B, K, 1, S, ·]`, as
+    ring attention carries them (no copy of them per call). Not
     differentiable itself: its pair `backward_with_lse` is, given the output and
     log-sum-exp of the whole rows. For ring attention, which folds key/value shards in
     one at a time. rows_first=False: as the kernel holds them, heads first and padded

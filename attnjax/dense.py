@@ -144,8 +144,9 @@ def _plain(q, k, v, bias, visible, rows, cols, alone, logit_scale):
 
     Its derivative is written so that reverse mode computes FlashAttention's backward
     pass, dS = P ∘ (dP − rowsum(dO ∘ O) + d_lse): a row sum over `[T, V]` where
-    autodiff of the softmax takes one over `[T, S]`; of the `[T, S]` arrays, only the
-    weights are kept for the backward pass. Forward mode and higher orders work too.
+    autodiff of the softmax takes one over `[T, S]` (as it does for 16-bit inputs,
+    whose O is rounded); of the `[T, S]` arrays, only the weights are kept for the
+    backward pass. Forward mode and higher orders work too.
     """
     # The value alone (no derivative taken) divides by each row's sum after the
     # product, over [T, V] rather than [T, S]: one pass over the logits fewer, as
@@ -243,13 +244,20 @@ def _plain_jvp(alone, logit_scale, primals, tangents):
     if d_logits is not None and logit_scale != 1.0:
         d_logits = d_logits * logit_scale
     if bias is not None and not core.is_zero(d_bias):
-        d_logits = core.sum_of([d_logits, jnp.broadcast_to(d_bias.astype(acc), weights.shape)])
+        d_logits = core.sum_of([d_logits,
+                                jnp.broadcast_to(d_bias.astype(acc), weights.shape)])
     # d softmax = P ∘ (dS − rowsum(P ∘ dS)), so d(P v) = (P ∘ dS) v − rowsum(P ∘ dS) ∘ O
     # + P dv: written with O, its transpose sums dO ∘ O over [T, V], not dP ∘ P.
     d_lse = weighted_mix = mixed_tangent = None
     if d_logits is not None:
         weighted = weights * d_logits
         d_lse = jnp.sum(weighted, axis=-1)
+        if v.dtype != acc:
+            # In 16 bits O, rounded, is not P v: rowsum(dO ∘ O) missed rowsum(dP ∘ P) by
+            # far more than dP's rounding, and in a row of sharp weights d_q took the
+            # difference times |k| (d_q of the wrong sign in bfloat16). (P ∘ dS −
+            # P · rowsum(P ∘ dS)) v instead, transposed a row sum over [T, S].
+            weighted = weighted - weights * d_lse[:, None]
         # (P ∘ dS) v with v in the accumulator's dtype: transposed, dP = dO vᵀ stays in
         # it. In half precision, v's dtype there rounded dP (of the weights' bfloat16
         # copy), which rowsum(dO ∘ O) then no longer cancels: a row that sees one key had
@@ -268,6 +276,6 @@ def _plain_jvp(alone, logit_scale, primals, tangents):
     d_mixed = core.sum_of([weighted_mix, mixed_tangent])
     if d_lse is None:
         d_lse = jnp.zeros_like(lse)
-    else:
+    elif v.dtype == acc:
         d_mixed = d_mixed - d_lse[:, None] * out.astype(acc)
     return (out, lse), (d_mixed.astype(out.dtype), d_lse)

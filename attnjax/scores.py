@@ -40,14 +40,17 @@ def split_scale(scale, dtype) -> tuple[Any, float]:
     """(the queries' factor, the logits'): the scale as the kernels apply it.
 
     Scaling the `[T, H]` queries costs T·H multiplies instead of T·S on the logits, and
-    is exact in float32 (one rounding of q, below the logits' own) and, in float16 and
-    bfloat16, for a power of two at most 1. Any other scale of 16-bit queries rounded
-    every q to 8 or 11 bits again (twice jax.nn's error at H = 32 or 128, which scales
-    the float32 logits; in float16, a scale of 1e-7 became 1.19e-7 and one above 1 could
-    overflow): the float32 logits take it instead."""
-    if (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and isinstance(scale, (int, float)) and not (
-                scale <= 1 and math.frexp(scale)[0] == 0.5)):
+    is exact in float32 (one rounding of q, below the logits' own) and, in bfloat16, for
+    a power of two at most 1. Any other scale of bfloat16 queries rounded every q to 8
+    bits again (twice jax.nn's error at H = 32 or 128, which scales the float32 logits):
+    the float32 logits take it instead, as they take every scale of float16 queries,
+    whose exponents' range is narrow: a scale above 1 could overflow, and even a power
+    of two below 1 made small queries subnormal (2⁻³⁰ of 1e4 kept 5 bits) and their
+    gradient, the logits' times 1/scale, overflow (d_q inf at the default 1/8 where
+    the exact d_q, 41,831, is a float16)."""
+    if isinstance(scale, (int, float)) and (jnp.dtype(dtype) == jnp.float16 or (
+            jnp.dtype(dtype) == jnp.bfloat16
+            and not (scale <= 1 and math.frexp(scale)[0] == 0.5))):
         return 1.0, float(scale)
     return scale, 1.0
 

@@ -87,13 +87,15 @@ def _float64_attention(q, k, v, scale):
 def test_16_bit_queries_are_not_rounded_again_by_the_scale(rng, dtype, implementation):
     """1/√32 is no power of two: scaling bfloat16 or float16 queries by it rounded each
     again, twice jax.nn's error (which scales the float32 logits); a scale of 1e-7
-    became float16's 1.19e-7. Against float64 on the same rounded inputs, attnjax's error
-    is at most jax.nn's, for a number and for a scale traced under jit."""
+    became float16's 1.19e-7, and 2⁻³⁰, a power of two, made float16 queries of 1e4
+    subnormal. Against float64 on the same rounded inputs, attnjax's error is at most
+    jax.nn's, for a number and for a scale traced under jit."""
     generator = draws.host(rng)
     h = 32
     q = draws.normal(generator, (4, 32, 2, h), dtype, 6.0)
     k, v = (draws.normal(generator, (4, 32, 2, h), dtype) for _ in range(2))
-    for scale, q_, k_ in ((h ** -0.5, q, k), (1e-7, q * 300, k * 300)):
+    for scale, q_, k_ in ((h ** -0.5, q, k), (1e-7, q * 300, k * 300),
+                          (2.0 ** -30, q * 1000, k * 1000)):
         expected = _float64_attention(q_, k_, v, scale)
         error = lambda out: np.abs(np.asarray(out, np.float64) - expected).mean()  # noqa: E731
         with as_users_run():
@@ -103,6 +105,99 @@ def test_16_bit_queries_are_not_rounded_again_by_the_scale(rng, dtype, implement
         traced = error(jax.jit(lambda s: attnjax.dot_product_attention(
             q_, k_, v, scale=s, implementation=implementation))(jnp.float32(scale)))
         assert ours <= theirs and traced <= theirs, (scale, ours, traced, theirs)
+
+
+def _float64_grads(f, q, k, v, d_out):
+    """The vjp of f at (q, k, v) for the float32 d_out, on the host in float64."""
+    _, vjp = jax.vjp(lambda *x: f(*x).astype(jnp.float32), q, k, v)
+    return [np.asarray(g, np.float64) for g in vjp(d_out)]
+
+
+def _exact_grads(q, k, v, d_out, scale, causal=False):
+    """_float64_grads of `_float64_softmax` at the inputs' values, in float64."""
+    wide = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
+    return _float64_grads(lambda *x: _float64_softmax(*x, scale, causal), *wide, d_out)
+
+
+def _float64_softmax(q, k, v, scale, causal=False):
+    """softmax(q·kᵀ·scale) v in float64, differentiable (jax)."""
+    q, k, v = (x.astype(jnp.float64) for x in (q, k, v))
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
+    return jnp.einsum("bnts,bsnv->btnv", jax.nn.softmax(logits, axis=-1), v)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_16_bit_gradients_where_keys_share_a_large_part_are_as_exact_as_jax_nn_s(
+        rng, dtype, implementation):
+    """Keys with a common part far above their differences (as trained models' keys
+    have): d_q = Σ ds·k cancels it, so any inconsistency between the weights and the
+    output the backward pass reads comes back times |k|. Both kernels' derivatives read
+    an output that was not P v: the dense one's rounded to 16 bits, the chunked one's
+    made of weights rounded to 16 bits (rowsum(dO ∘ O) is not rowsum(dP ∘ P) then):
+    d_q's error 7-40 times jax.nn's (float64 on the rounded inputs the yardstick); now
+    at most twice it (as often below it)."""
+    generator = draws.host(rng)
+    q = draws.normal(generator, (2, 24, 2, 16), dtype, 2.0)
+    k = (draws.normal(generator, (2, 1, 2, 16), jnp.float32, 30.0)
+         + draws.normal(generator, (2, 24, 2, 16), jnp.float32, 2.0)).astype(dtype)
+    v = draws.normal(generator, (2, 24, 2, 16), dtype)
+    d_out = draws.normal(generator, (2, 24, 2, 16), jnp.float32)
+    want = _exact_grads(q, k, v, d_out, 16 ** -0.5, causal=True)
+
+    def errors(f):
+        return np.array([np.abs(g - w).max() / np.abs(w).max()
+                         for g, w in zip(_float64_grads(f, q, k, v, d_out), want)])
+
+    with as_users_run():
+        theirs = errors(lambda *x: jax.nn.dot_product_attention(*x, is_causal=True))
+    ours = errors(lambda *x: attnjax.dot_product_attention(*x, is_causal=True,
+                                                           implementation=implementation))
+    assert np.all(ours <= 3 * theirs), (ours, theirs)
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_bfloat16_query_gradient_of_two_alike_keys_is_exact(implementation):
+    """One query, two keys along it of logits 100 and 97: d_q = ds₀·(k₀ − k₁), the
+    difference of two products of 100 and 97. The dense kernel's came out −0.867 (the
+    exact value +0.379: its derivative read the rounded output), the chunked one's
+    +0.186 (it read it too, and rounded ds to bfloat16 for the product with k); jax.nn's:
+    +0.379."""
+    h = 64
+    e0 = jnp.zeros(h, jnp.float32).at[0].set(1.0)
+    q = e0.reshape(1, 1, 1, h).astype(jnp.bfloat16)
+    logits = jnp.asarray([100.0, 97.0], jnp.float32)[:, None]
+    k = (logits * e0[None]).reshape(1, 2, 1, h).astype(jnp.bfloat16)
+    v = draws.normal(0, (1, 2, 1, h), jnp.bfloat16)
+    d_out = draws.normal(1, (1, 1, 1, h), jnp.float32)
+
+    want = _exact_grads(q, k, v, d_out, 1.0)
+    got = _float64_grads(lambda *x: attnjax.dot_product_attention(
+        *x, scale=1.0, implementation=implementation), q, k, v, d_out)
+    for g, w in zip(got, want):   # bfloat16's rounding of the results: 2⁻⁸ relative
+        np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_float16_query_gradient_that_fits_float16_is_finite(implementation):
+    """The scale 1/8 of H = 64 had scaled the float16 queries, so their gradient came
+    back as the logits' in float16 times 8, past 65504 (inf) where d_q itself, 41,831,
+    fits; the float32 logits take every scale of float16 queries now."""
+    h = 64
+    e0 = jnp.zeros(h, jnp.float32).at[0].set(1.0)
+    q = (1e-3 * e0).reshape(1, 1, 1, h).astype(jnp.float16)
+    signs = jnp.asarray([1.0, -1.0], jnp.float32)[:, None]
+    k = (3000 * signs * e0[None]).reshape(1, 2, 1, h).astype(jnp.float16)
+    v = (2 * signs * jnp.ones((1, h), jnp.float32)).reshape(1, 2, 1, h).astype(jnp.float16)
+    d_out = jnp.ones((1, 1, 1, h), jnp.float32)
+    want = _exact_grads(q, k, v, d_out, h ** -0.5)
+    got = _float64_grads(lambda *x: attnjax.dot_product_attention(
+        *x, implementation=implementation), q, k, v, d_out)
+    assert want[0][0, 0, 0, 0] > 4e4
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-3 * np.abs(w).max())
 
 
 def test_float16_logits_of_a_scale_above_1_stay_finite_in_the_2d_functions():

@@ -139,7 +139,7 @@ def _attend_shard(query, key, value, mask: Mask, score: Score):
     out, lse = chunked.forward_with_lse(grouped, key, value, mask, score,
                                         _block_sizes(query.shape[1], key.shape[3]),
                                         rows_first=False)
-    return out.astype(lse.dtype), lse
+    return out, lse
 
 
 def _shard_grads(query, key, value, mask: Mask, score: Score, out, lse, d_out):
@@ -200,8 +200,8 @@ def _ring_steps(p: int, step_and_pass, carry):
 
 def _ring_forward(query, key, value, mask: Mask, axis_name, score: Score):
     """Output `[B, T, N, V]` in the input dtype, and the output and log-sum-exp heads
-    first and padded (`[B, K, G, Tp, V]` in the input dtype, `[B, K, G, Tp]`) for the
-    backward pass."""
+    first and padded (`[B, K, G, Tp, V]`, `[B, K, G, Tp]`, in the accumulation dtype:
+    `chunked._backward`'s O) for the backward pass."""
     p = lax.axis_size(axis_name)
     b, t, n, _ = query.shape
     kv_heads = key.shape[2]
@@ -224,8 +224,7 @@ def _ring_forward(query, key, value, mask: Mask, axis_name, score: Score):
     key, value = head_major(key), head_major(value)
     # P steps (`_ring_steps`): the last passing on returns the shards home, unused
     out, lse = _ring_steps(p, step_and_pass, (key, value, mask.key_side(), out, lse))[3:]
-    out = out.astype(query.dtype)
-    return _rows_first(out, t), out, lse
+    return _rows_first(out.astype(query.dtype), t), out, lse
 
 
 def _ring_backward(query, key, value, mask: Mask, axis_name, score: Score, out, lse,

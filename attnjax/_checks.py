@@ -17,6 +17,17 @@ def shape_str(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
+def check_concrete_shape(name: str, x) -> None:
+    """Symbolic dimensions (jax.export's shape polymorphism) refused by name: the
+    kernels choose themselves, their blocks and their parts of the batch from the
+    sizes (jax's own error had been "inconclusive" comparisons)."""
+    if not all(isinstance(d, (int, np.integer)) for d in x.shape):
+        raise ValueError(
+            f"{name} must have concrete dimensions; got {shape_str(x.shape)}, symbolic "
+            f"(jax.export's shape polymorphism): attnjax plans its kernels from the "
+            f"sizes, so export a program for each shape")
+
+
 def check_rank(name: str, x, ranks: Sequence[int], layout: str) -> None:
     if x.ndim not in ranks:
         raise ValueError(

@@ -399,6 +399,7 @@ def _check_inputs(query, key, value, same_head_dim: bool):
         ("query", query), ("key", key), ("value", value)))
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.check_floating(name, x)
+        _checks.check_concrete_shape(name, x)
     if query.ndim == 2:
         raise ValueError(
             f"query must have rank 3 or 4 ([B, T, N, H] or [T, N, H]); got shape "

@@ -468,6 +468,19 @@ def test_hostile_input_is_a_named_error(call, error, message):
         call()
 
 
+@pytest.mark.parametrize("implementation", [None, "dense", "chunked"])
+def test_symbolic_dimensions_of_jax_export_are_a_named_error(implementation):
+    """jax.export's shape polymorphism: attnjax plans its kernels from the sizes, and
+    a symbolic batch or length had been jax's "inconclusive" comparison deep inside."""
+    for dims in ("b, 6, 4, 8", "2, t, 4, 8"):
+        spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape(dims), jnp.float32)
+        call = jax.jit(lambda q: attnjax.dot_product_attention(
+            q, q, q, is_causal=True, implementation=implementation))
+        with pytest.raises(ValueError, match=r"query must have concrete dimensions; got "
+                                             rf"\[{dims}\], symbolic"):
+            jax.export.export(call)(spec)
+
+
 def test_soft_cap_takes_a_numpy_or_jax_number():
     """(a jnp.float32 cap was refused as not positive)"""
     assert scores.soft_cap(jnp.float32(30.0)) is scores.soft_cap(np.float64(30.0))

@@ -401,7 +401,8 @@ def test_functions_over_arrays_an_enclosing_jit_traces_train_in_every_pattern():
 def test_forward_mode_on_the_chunked_kernel_is_named():
     """Forward mode on implementation='chunked' (a custom VJP): a TypeError naming the
     kernel and the one that runs it (jax's own message named neither), and the dense
-    kernel's jvp is the derivative the chunked kernel's vjp gives."""
+    kernel's jvp is the derivative the chunked kernel's vjp gives; jax.hessian (forward
+    over reverse) runs on the chunked kernel."""
     q, k, v, d_out = _inputs(21, 1, 6, 6, 2, 2, 4, 4)
     chunked_call = functools.partial(attnjax.dot_product_attention, implementation="chunked",
                                      block_sizes=(4, 4))
@@ -415,3 +416,9 @@ def test_forward_mode_on_the_chunked_kernel_is_named():
     # <J d, c> two ways: the dense tangent against a cotangent c, the chunked vjp of c
     c = draws.normals(22, q.shape)[0]
     np.testing.assert_allclose(jnp.vdot(tangent, c), jnp.vdot(vjp(c)[0], d_out), rtol=1e-5)
+    # forward over reverse (jax.hessian's) differentiates the backward pass's plain
+    # code: the chunked kernel's Hessian is the dense kernel's
+    hessians = [jax.hessian(lambda q, call=call: jnp.sum(jnp.sin(call(q, k, v))))(q)
+                for call in (chunked_call, functools.partial(attnjax.dot_product_attention,
+                                                             implementation="dense"))]
+    np.testing.assert_allclose(*hessians, rtol=1e-5, atol=1e-6)

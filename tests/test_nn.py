@@ -312,7 +312,8 @@ def test_a_step_of_ones_own_traced_sized_calls_no_host_and_decodes_the_same(rng)
     jax.jit: every trace of it leaves out the overrun check, whose host callback keeps a
     program from jit's fast dispatch (one layer's token: 284 against 161 µs); token by
     token it gives the checked step's outputs and cache. The decorator's context ends
-    with each trace: a step traced after it checks again."""
+    with each trace: a step traced after it checks again. A sized step exports
+    (jax.export)."""
     length = 4
     x = _x(rng, B, length, D)
     module = nn.MultiHeadAttention(num_heads=N, is_causal=True, decode=True)
@@ -350,6 +351,15 @@ def test_a_step_of_ones_own_traced_sized_calls_no_host_and_decodes_the_same(rng)
     with nn.sized_for_every_append():
         assert traced() == []
     assert len(traced()) == 1
+    # and the way to jax.export a step: the sized one serializes (the check's host
+    # callback cannot be) and runs as traced
+    cache = {"cache": variables["cache"]}
+    exported = jax.export.export(jax.jit(sized))(cache, x[:, :1])
+    out, mutated = jax.export.deserialize(exported.serialize()).call(cache, x[:, :1])
+    want, want_cache = step(cache, x[:, :1])
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(mutated), jax.tree.leaves(want_cache), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def _loop_bodies(program: str) -> str:

@@ -257,6 +257,19 @@ def test_a_workdir_that_links_to_nothing_is_one_line_naming_the_target(tmp_path,
     assert workdir.is_symlink() and not (tmp_path / "gone").exists()
 
 
+def test_a_workdir_under_a_bracket_is_one_line_before_anything_is_written(tmp_path,
+                                                                          monkeypatch, capsys):
+    """orbax finds a checkpoint's parts by a glob of its path: under a '[' it found none,
+    so every checkpoint was saved but failed to restore (a resumed run exited 2 saying
+    the checkpoint "does not restore into this run's model")."""
+    (tmp_path / "runs[1]").mkdir()
+    monkeypatch.chdir(tmp_path / "runs[1]")
+    assert cli.main(["--workdir", "run", *(a for o in TINY for a in ("--set", o))]) == 2
+    _one_line(capsys, "error: --workdir run: its path has a '[', which the checkpoints "
+                      "cannot be read back from")
+    assert list((tmp_path / "runs[1]").iterdir()) == []
+
+
 def _old_run(workdir: Path, config) -> dict:
     (workdir / "checkpoints" / "5").mkdir(parents=True)
     (workdir / "metrics.jsonl").write_text('{"step": 5}\n')

@@ -70,14 +70,16 @@ def _damaged(record: dict, **changes) -> bytes:
     _damaged(RECORDS[1], step=2, eval_s=True), _damaged(RECORDS[0], step=2, loss=None),
     _damaged(RECORDS[0], step=2, learning_rate=float("nan")),
     _damaged(RECORDS[1], step=2, eval_token_accuracy=float("inf")),
-    _damaged(RECORDS[0], step=2, eval_s=1.0)], ids=lambda line: str(line[:12]))
+    _damaged(RECORDS[0], step=2, eval_s=1.0), b"[" * 100_000],
+    ids=lambda line: str(line[:12]))
 def test_a_damaged_metrics_line_is_dropped_with_what_follows_as_a_torn_one(tmp_path, line):
     """Bytes that are not UTF-8, JSON that is not a log or an evaluation record (an int
     "step" and the finite numbers of the record's keys, no other): the line and what
     follows are dropped, as for the torn last line of a killed process, and the
     records lost with it are told; a damaged last line, or one followed only by steps
     past the resumed one (dropped anyway), is not. (A record of another key, or of a
-    key missing, had ended the run in a KeyError as curves.png was drawn.)"""
+    key missing, had ended the run in a KeyError as curves.png was drawn; JSON nested
+    past Python's recursion limit, in a RecursionError.)"""
     path = tmp_path / "metrics.jsonl"
     valid = b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS)
     rng = np.random.default_rng(int.from_bytes(line[:4].ljust(4), "little"))

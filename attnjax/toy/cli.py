@@ -245,6 +245,12 @@ def _claim_workdir(workdir: Path, config: Config, force_new: bool,
     primary = jax.process_index() == 0
     lock = None
     try:
+        if "[" in str(workdir.absolute()):
+            # orbax finds a checkpoint's parts by a glob of its path: under a "[", a
+            # character class, it found none, and every checkpoint failed to restore
+            raise ConfigError(f"--workdir {workdir}: its path has a '[', which the "
+                              f"checkpoints cannot be read back from (orbax takes it "
+                              f"for a pattern); use another --workdir")
         if workdir.exists() and not workdir.is_dir():
             raise ConfigError(f"--workdir {workdir} is a file, not a directory")
         if workdir.is_symlink() and not workdir.exists():

@@ -149,7 +149,7 @@ def _record(line: bytes) -> dict | None:
     record of an int "step" and finite numbers)."""
     try:
         record = json.loads(line.decode("utf-8"))
-    except ValueError:  # UnicodeDecodeError or JSONDecodeError
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested too deeply
         return None
     if (not isinstance(record, dict) or record.keys() not in (LOG_KEYS, EVAL_KEYS)
             or type(record["step"]) is not int):

@@ -164,7 +164,7 @@ def check_room(start, new: int, capacity: int) -> None:
     (XLA clamps the update to the last slots; a negative index writes from slot 0), so
     the step's output is finite but no longer that of the sequence. Size the cache for
     the longest sequence. (Not checked while tracing inside `sized_for_every_append`,
-    the way to `jax.export` a step: a host callback cannot be serialized.)"""
+    the way to `jax.export` a step: a host callback cannot be exported.)"""
     message = "KV cache overrun: {} new tokens at position {} exceed the cache length {}"
     if new > capacity:   # past the cache wherever it starts: known while tracing
         raise ValueError(message.format(new, "any" if isinstance(start, jax.core.Tracer)

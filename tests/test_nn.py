@@ -351,11 +351,10 @@ def test_a_step_of_ones_own_traced_sized_calls_no_host_and_decodes_the_same(rng)
     with nn.sized_for_every_append():
         assert traced() == []
     assert len(traced()) == 1
-    # and the way to jax.export a step: the sized one serializes (the check's host
+    # and the way to jax.export a step: the sized one exports (the check's host
     # callback cannot be) and runs as traced
     cache = {"cache": variables["cache"]}
-    exported = jax.export.export(jax.jit(sized))(cache, x[:, :1])
-    out, mutated = jax.export.deserialize(exported.serialize()).call(cache, x[:, :1])
+    out, mutated = jax.export.export(jax.jit(sized))(cache, x[:, :1]).call(cache, x[:, :1])
     want, want_cache = step(cache, x[:, :1])
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(mutated), jax.tree.leaves(want_cache), strict=True):

@@ -132,30 +132,31 @@ def mix_values(weights: Float[ArrayLike, "T S"],
                v: Float[ArrayLike, "S V"]) -> Float[ArrayLike, "T V"]:
     """weights · v, accumulated in float32 and returned in v's dtype.
 
-    In float16 the weights' derivative, dO·vᵀ, is a float32 product of float32
-    operands: it passes float16's 65504 where |v| is large (values of ±2000 over
-    V = 256), while every input, output and gradient fits."""
+    In 16 bits the weights' derivative, dO·vᵀ, is a float32 product of float32
+    operands: in float16 it passes 65504 where |v| is large (values of ±2000 over
+    V = 256), while every input, output and gradient fits; in bfloat16, rounded to 8
+    bits, it left a score_mod's parameters' gradients (ALiBi's slopes) 4e-3 off."""
     v = jnp.asarray(v)
-    if v.dtype == jnp.float16:
-        return _mix_float16(weights, v)
+    if v.dtype in (jnp.float16, jnp.bfloat16):
+        return _mix_16_bit(weights, v)
     # [T, V]
     out = contract_last(weights.astype(v.dtype), v.T, _logits_dtype(v.dtype))
     return out.astype(v.dtype)
 
 
 @jax.custom_jvp
-def _mix_float16(weights, v):
+def _mix_16_bit(weights, v):
     return contract_last(weights.astype(v.dtype), v.T, jnp.float32).astype(v.dtype)
 
 
-@_mix_float16.defjvp
-def _mix_float16_jvp(primals, tangents):
+@_mix_16_bit.defjvp
+def _mix_16_bit_jvp(primals, tangents):
     weights, v = primals
     d_weights, d_v = tangents
     wide = jnp.float32
     tangent = (contract_last(d_weights.astype(wide), v.T.astype(wide), wide)
                + contract_last(weights.astype(v.dtype), d_v.T, wide))
-    return _mix_float16(weights, v), tangent.astype(v.dtype)
+    return _mix_16_bit(weights, v), tangent.astype(v.dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))

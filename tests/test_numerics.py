@@ -159,6 +159,41 @@ def test_16_bit_gradients_where_keys_share_a_large_part_are_as_exact_as_jax_nn_s
 
 
 @pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_bfloat16_alibi_slopes_gradient_is_float32_exact(rng, implementation):
+    """A score_mod's parameters in bfloat16 (ALiBi's slopes, float32): their gradient
+    sums dS over the grid, which the dense kernel's dP = dO·vᵀ, rounded to bfloat16,
+    had left 4e-3 off (relative); float32-exact now in both kernels."""
+    from attnjax import scores
+
+    generator = draws.host(rng)
+    q = draws.normal(generator, (2, 24, 4, 16), jnp.bfloat16, 2.0)
+    k = draws.normal(generator, (2, 32, 2, 16), jnp.bfloat16, 2.0)
+    v = draws.normal(generator, (2, 32, 2, 16), jnp.bfloat16)
+    d_out = draws.normal(generator, (2, 24, 4, 16), jnp.bfloat16).astype(jnp.float64)
+    # [1, 1, T, S]: bottom-right positions, query i at i + S − T
+    distance = jnp.abs(jnp.arange(24)[:, None] + 8 - jnp.arange(32)[None]).astype(
+        jnp.float64)[None, None]
+
+    def exact(slopes):
+        wide = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
+        keys = [jnp.repeat(x, 2, axis=2) for x in wide[1:]]
+        logits = (jnp.einsum("btnh,bsnh->bnts", wide[0], keys[0]) * 16 ** -0.5
+                  - slopes[None, :, None, None] * distance)
+        out = jnp.einsum("bnts,bsnv->btnv", jax.nn.softmax(logits, axis=-1), keys[1])
+        return jnp.sum(out * d_out)
+
+    def ours(slopes):
+        out = attnjax.dot_product_attention(q, k, v, score_mod=scores.alibi(slopes),
+                                            implementation=implementation)
+        return jnp.sum(out.astype(jnp.float64) * d_out)
+
+    slopes = scores.alibi_slopes(4)
+    want = np.asarray(jax.grad(exact)(slopes.astype(jnp.float64)))
+    got = np.asarray(jax.grad(ours)(slopes), np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
 def test_bfloat16_query_gradient_of_two_alike_keys_is_exact(implementation):
     """One query, two keys along it of logits 100 and 97: d_q = ds₀·(k₀ − k₁), the
     difference of two products of 100 and 97. The dense kernel's came out −0.867 (the

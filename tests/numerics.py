@@ -4,6 +4,7 @@ float64 and strict promotion (conftest.py), which flax and optax are not written
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -39,3 +40,17 @@ def relative_error(actual, expected) -> float:
     from the O(1) terms that cancel; relative to zero, any residue would be infinite."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1.0)
+
+
+def softmax_float64(q, k, v, scale, *, causal=False, bias=None):
+    """softmax(q·kᵀ·scale + bias) v `[B, T, N, V]` in float64, differentiable (jax):
+    the exact value of the inputs as they are rounded. k and v may have fewer heads
+    (grouped-query attention); causal is square (T = S)."""
+    q, k, v = (x.astype(jnp.float64) for x in (q, k, v))
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
+    if bias is not None:
+        logits = logits + bias
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
+    return jnp.einsum("bnts,bsnv->btnv", jax.nn.softmax(logits, axis=-1), v)

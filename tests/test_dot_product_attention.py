@@ -16,6 +16,7 @@ import attnjax
 from attnjax import masks, scores
 from tests import draws, reference
 from tests.checks import lowerings
+from tests.numerics import softmax_float64
 
 attention_module = importlib.import_module("attnjax.attention")
 
@@ -175,11 +176,8 @@ def test_float16_with_a_scale_above_one_is_the_float32_result(implementation, tr
     chex.assert_tree_all_finite((out, half))
     np.testing.assert_array_equal(out, out_wide)
 
-    def exact(q, k, v):
-        weights = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) * 1000.0, axis=-1)
-        return jnp.sum(jnp.einsum("bnts,bsnv->btnv", weights, v) * d_out.astype(jnp.float64))
-
-    wide = jax.grad(exact, argnums=(0, 1, 2))(*(x.astype(jnp.float64) for x in (q, k, v)))
+    wide = jax.grad(lambda *x: jnp.sum(softmax_float64(*x, 1000.0) * d_out.astype(
+        jnp.float64)), argnums=(0, 1, 2))(*(x.astype(jnp.float64) for x in (q, k, v)))
     # the bound of a logit's derivative, |dO|·|v|·H, through the scale to q and k, in
     # float32's rounding; d_v = Pᵀ dO, with the weights in float16 (as jax.nn's)
     bound = float(jnp.max(jnp.abs(d_out)) * jnp.max(jnp.abs(v))) * q.shape[-1]

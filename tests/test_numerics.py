@@ -8,7 +8,7 @@ import pytest
 
 import attnjax
 from tests import draws
-from tests.numerics import as_users_run
+from tests.numerics import as_users_run, softmax_float64
 
 B, T, S, N, H, V = 2, 5, 7, 3, 4, 6
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -73,15 +73,6 @@ def test_logits_of_magnitude_1e4_stay_finite_and_close_to_float32(rng, dtype):
     np.testing.assert_allclose(out.astype(jnp.float32), expected, rtol=1e-2, atol=1e-2)
 
 
-def _float64_attention(q, k, v, scale):
-    """softmax(q·kᵀ·scale) v in float64 on the host, of the inputs as they are rounded."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale
-    weights = np.exp(logits - logits.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    return np.einsum("bnts,bsnv->btnv", weights, v)
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("implementation", ["xla", "chunked"])
 def test_16_bit_queries_are_not_rounded_again_by_the_scale(rng, dtype, implementation):
@@ -96,7 +87,7 @@ def test_16_bit_queries_are_not_rounded_again_by_the_scale(rng, dtype, implement
     k, v = (draws.normal(generator, (4, 32, 2, h), dtype) for _ in range(2))
     for scale, q_, k_ in ((h ** -0.5, q, k), (1e-7, q * 300, k * 300),
                           (2.0 ** -30, q * 1000, k * 1000)):
-        expected = _float64_attention(q_, k_, v, scale)
+        expected = np.asarray(softmax_float64(q_, k_, v, scale))
         error = lambda out: np.abs(np.asarray(out, np.float64) - expected).mean()  # noqa: E731
         with as_users_run():
             theirs = error(jax.nn.dot_product_attention(q_, k_, v, scale=scale))
@@ -114,18 +105,10 @@ def _float64_grads(f, q, k, v, d_out):
 
 
 def _exact_grads(q, k, v, d_out, scale, causal=False):
-    """_float64_grads of `_float64_softmax` at the inputs' values, in float64."""
-    wide = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
-    return _float64_grads(lambda *x: _float64_softmax(*x, scale, causal), *wide, d_out)
-
-
-def _float64_softmax(q, k, v, scale, causal=False):
-    """softmax(q·kᵀ·scale) v in float64, differentiable (jax)."""
-    q, k, v = (x.astype(jnp.float64) for x in (q, k, v))
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
-    if causal:
-        logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
-    return jnp.einsum("bnts,bsnv->btnv", jax.nn.softmax(logits, axis=-1), v)
+    """_float64_grads of `softmax_float64` at the inputs' values, in float64."""
+    wide = [x.astype(jnp.float64) for x in (q, k, v)]
+    return _float64_grads(lambda *x: softmax_float64(*x, scale, causal=causal), *wide,
+                          d_out)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -175,11 +158,8 @@ def test_bfloat16_alibi_slopes_gradient_is_float32_exact(rng, implementation):
         jnp.float64)[None, None]
 
     def exact(slopes):
-        wide = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
-        keys = [jnp.repeat(x, 2, axis=2) for x in wide[1:]]
-        logits = (jnp.einsum("btnh,bsnh->bnts", wide[0], keys[0]) * 16 ** -0.5
-                  - slopes[None, :, None, None] * distance)
-        out = jnp.einsum("bnts,bsnv->btnv", jax.nn.softmax(logits, axis=-1), keys[1])
+        out = softmax_float64(q, k, v, 16 ** -0.5,
+                              bias=-slopes[None, :, None, None] * distance)
         return jnp.sum(out * d_out)
 
     def ours(slopes):

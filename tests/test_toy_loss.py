@@ -116,6 +116,12 @@ def test_schedules():
     np.testing.assert_allclose([cosine(0), cosine(5), cosine(10), cosine(100)],
                                [0.0, 1e-3, 2e-3, 1e-5], rtol=1e-5, atol=1e-9)
     assert cosine(50) > cosine(80) > cosine(99)
+    # no warmup: the first update takes the peak rate (it was 0: a step that trained nothing)
+    for schedule in ("cosine", "inverse_sqrt"):
+        cold = training.learning_rate_schedule(
+            OptimConfig(learning_rate=2e-3, warmup_steps=0, schedule=schedule), 100)
+        np.testing.assert_allclose(cold(0), 2e-3, rtol=1e-6)
+        assert cold(1) <= cold(0)
     paper = jax.jit(training.learning_rate_schedule(
         OptimConfig(learning_rate=2e-3, warmup_steps=16, schedule="inverse_sqrt"), 100))
     np.testing.assert_allclose([paper(4), paper(16), paper(64)], [5e-4, 2e-3, 1e-3], rtol=1e-6)

@@ -121,11 +121,13 @@ def make_model(config, task) -> Transformer | DecoderOnly:
 
 def learning_rate_schedule(optim, steps: int) -> optax.Schedule:
     """Linear warmup to learning_rate, then cosine decay to end_learning_rate at the
-    last step, or the 2017 paper's inverse square root (peak at the end of warmup)."""
-    warmup = max(optim.warmup_steps, 1)
+    last step, or the 2017 paper's inverse square root (peak at the end of warmup).
+    Without warmup (warmup_steps=0) the first step takes the peak rate, as optax's."""
+    warmup = optim.warmup_steps
     if optim.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
             0.0, optim.learning_rate, warmup, max(steps, warmup + 1), optim.end_learning_rate)
+    warmup = max(warmup, 1)
 
     def inverse_sqrt(step):
         step = jnp.maximum(step, 1).astype(jnp.float32)

@@ -310,6 +310,42 @@ def test_a_run_stopped_before_it_began_leaves_the_workdir_as_it_was(tmp_path, mo
         assert after == before
 
 
+def test_a_second_ctrl_c_before_the_run_began_leaves_no_new_workdir(tmp_path, monkeypatch):
+    """Two Ctrl-Cs while the model compiles stop the process at once (os._exit): the
+    workdir the run had made is removed first (it was left holding only its lock)."""
+    config = load_config(ROOT / "configs" / "copy.yaml", TINY)
+    stops, workdirs = [], [tmp_path / "fresh", tmp_path / "held"]
+
+    class Exited(Exception):
+        pass
+
+    def exit_at_once(status):
+        raise Exited(status)
+
+    def interrupted_twice(*args, **kwargs):
+        assert (workdirs[0] / cli.LOCK).exists()   # the workdir is made and locked by now
+        for _ in range(2):
+            stops[-1]._request(signal.SIGINT, None)
+
+    monkeypatch.setattr(os, "_exit", exit_at_once)
+    monkeypatch.setattr(training, "make_train_step", interrupted_twice)
+    fresh, held = workdirs
+    with cli.StopRequests() as stop:
+        stops.append(stop)
+        with pytest.raises(Exited) as raised:
+            cli.run(config, fresh, stop=stop)
+    assert raised.value.args == (128 + signal.SIGINT,)
+    assert not fresh.exists()
+    workdirs.pop(0)
+    before = _old_run(held, config)   # a workdir that was there is left as it was
+    with cli.StopRequests() as stop:
+        stops.append(stop)
+        with pytest.raises(Exited):
+            cli.run(config, held, stop=stop)
+    assert {p.relative_to(held): p.read_bytes() if p.is_file() else None
+            for p in held.rglob("*") if p.name != cli.LOCK} == before
+
+
 def test_ctrl_c_before_the_first_step_says_the_checkpoints_held_are_as_they_were(tmp_path):
     """(it said only "this run saved nothing", which left the run resumed in doubt)"""
     config = load_config(ROOT / "configs" / "copy.yaml", TINY)

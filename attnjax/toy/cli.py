@@ -360,6 +360,7 @@ class StopRequests:
         self.signum = early[0] if early else None
         self.forwarded = None   # a signal passed on to the other processes of the run
         self.saved = None
+        self.undo = None        # what stopping at once first undoes (`run`: a new workdir)
         self.joining = False    # waiting for the other processes of the run to connect
         self._previous = {}
 
@@ -385,6 +386,9 @@ class StopRequests:
                  f"the last complete checkpoint is step {self.saved}")
         os.write(2, f"interrupted again ({signal.Signals(signum).name}): stopped at once; "
                     f"{saved}\n".encode())
+        if self.undo is not None:
+            with contextlib.suppress(Exception):
+                self.undo()
         # Unwinding from here could stop a save or a compilation halfway; the OS frees
         # all, and the next run ignores a step that was not complete.
         os._exit(128 + signum)
@@ -507,16 +511,26 @@ def run(config: Config, workdir: Path, *, mesh=None, interactive: bool | None = 
     stop.stop_if_requested(_before_training(workdir))
     created = not os.path.lexists(workdir)
     lock = _claim_workdir(workdir, config, force_new, created)
+    made = created and lock is not None
+    if made:   # a second Ctrl-C before the run began leaves no workdir behind either
+        stop.undo = functools.partial(_remove_unbegun, workdir)
     try:
         return _train(config, workdir, mesh, interactive, stop, began, force_new)
     finally:
+        stop.undo = None
         if lock is not None:
             os.close(lock)
-            if created and not (workdir / CONFIG).exists():
-                # the run never began: the workdir it made goes too
-                (workdir / LOCK).unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    workdir.rmdir()
+            if made:
+                _remove_unbegun(workdir)
+
+
+def _remove_unbegun(workdir: Path) -> None:
+    """Removes the workdir a run made if the run never began (no config.yaml): its lock,
+    then the directory if nothing else is in it."""
+    if not (workdir / CONFIG).exists():
+        (workdir / LOCK).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            workdir.rmdir()
 
 
 def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,

@@ -273,16 +273,25 @@ def _soft_cap_near_zero_jvp(cap, primals, tangents):
 def alibi_slopes(num_heads: int) -> Array:
     """The ALiBi paper's head slopes, `[N]`.
 
-    `[N]` the ALiBi paper's head slopes, 2^(−8·(n+1)/N) (geometric; for N a power of
-    two exactly the paper's, otherwise the same formula).
+    `[N]` the ALiBi paper's head slopes, as its reference code (and BLOOM's) gives them:
+    for N a power of two, 2^(−8·(n+1)/N); otherwise the P slopes of the power of two P
+    below N, then every other slope of 2P (the odd n), N − P of them.
 
     Examples:
         >>> from attnjax import scores
         >>> scores.alibi_slopes(4).tolist()                                 # [N]
         [0.25, 0.0625, 0.015625, 0.00390625]
+        >>> scores.alibi_slopes(6).tolist()               # 4's slopes, then 8's n = 0, 2
+        [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125]
     """
     num_heads = _checks.positive_int("num_heads", num_heads)
-    return jnp.asarray(2.0 ** (-8.0 * (np.arange(num_heads) + 1) / num_heads), jnp.float32)
+    below = 1 << (num_heads.bit_length() - 1)   # the power of two P ≤ N
+
+    def geometric(count, step=1):   # [count] 2^(−8·(n+1)/P'), n = 0, step, 2·step, ...
+        return 2.0 ** (-8.0 * (np.arange(0, count, step) + 1) / count)
+
+    slopes = np.concatenate([geometric(below), geometric(2 * below, 2)[:num_heads - below]])
+    return jnp.asarray(slopes, jnp.float32)
 
 
 def alibi(slopes: Float[ArrayLike, " N"]) -> ScoreMod:
@@ -321,7 +330,8 @@ def relative_position_bucket(relative_position, *, num_buckets: int, max_distanc
     T5's bucket of k_pos − q_pos: exact below half of a direction's buckets
     (num_buckets/4 with bidirectional, where each direction takes half of them;
     num_buckets/2 without), then logarithmic up to max_distance, and the direction's
-    last bucket beyond.
+    last bucket beyond; exact where the logarithm's quotient is a whole number (T5's
+    bucket, which float32 logarithms can round a bucket short of).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -331,6 +341,7 @@ def relative_position_bucket(relative_position, *, num_buckets: int, max_distanc
         [2, 0, 6]
     """
     _check_buckets(num_buckets, max_distance, bidirectional)
+    relative_position = jnp.asarray(relative_position)
     bucket = jnp.zeros_like(relative_position)
     n = -relative_position
     if bidirectional:
@@ -340,12 +351,42 @@ def relative_position_bucket(relative_position, *, num_buckets: int, max_distanc
     else:
         n = jnp.maximum(n, 0)
     exact = num_buckets // 2
-    # log of at least `exact`, so that no log(0) is ever formed
+    spread = num_buckets - exact
+    # log of at least `exact`, so that no log(0) is ever formed; at most one bucket off
     far = jnp.maximum(n, exact).astype(jnp.float32)
-    log_bucket = exact + (jnp.log(far / exact) / math.log(max_distance / exact)
-                          * (num_buckets - exact)).astype(bucket.dtype)
-    log_bucket = jnp.minimum(log_bucket, num_buckets - 1)
+    k = (jnp.log(far / exact) / math.log(max_distance / exact) * spread).astype(n.dtype)
+    k = jnp.clip(k, 0, spread - 1)
+    # made exact by the distances where each bucket starts (where float32 logarithms
+    # rounded below an integer, as at n = 10 for 3 buckets and max_distance 100, it
+    # was a bucket short of T5's)
+    starts = jnp.asarray(_bucket_starts(num_buckets, max_distance)).astype(n.dtype)
+    k = k + (n >= starts[k + 1]).astype(k.dtype) - (n < starts[k]).astype(k.dtype)
+    log_bucket = exact + jnp.minimum(k, spread - 1)
     return bucket + jnp.where(n < exact, n, log_bucket)
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_starts(buckets: int, max_distance: int) -> np.ndarray:
+    """[buckets − exact + 1] the first distance of each of a direction's logarithmic
+    buckets, then max_distance (from where the last one holds every distance), for
+    `buckets` a direction with exact = buckets // 2 distances of their own: the k-th is the
+    least d with k ≤ (buckets − exact)·log(d / exact) / log(max_distance / exact), in
+    integers max_distance^k · exact^(buckets − exact) ≤ d^(buckets − exact) · exact^k."""
+    exact = buckets // 2
+    spread = buckets - exact
+
+    def reaches(d, k):
+        return max_distance ** k * exact ** spread <= d ** spread * exact ** k
+
+    starts = []
+    for k in range(spread + 1):
+        d = max(exact, math.ceil(exact * (max_distance / exact) ** (k / spread)))
+        while d > exact and reaches(d - 1, k):
+            d -= 1
+        while not reaches(d, k):
+            d += 1
+        starts.append(d)
+    return np.asarray(starts, np.int64)
 
 
 def _check_buckets(num_buckets, max_distance, bidirectional) -> None:

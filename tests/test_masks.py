@@ -3,7 +3,9 @@ random compositions of the Mask rules with score mods and sinks, forward, log-su
 gradients of both kernels; the block classifier's soundness; the & / | algebra; argument
 errors; rows that see nothing; jit, vmap and grad."""
 
+import decimal
 import functools
+import math
 
 import chex
 import jax
@@ -612,6 +614,73 @@ def test_prefix_lm_is_causal_or_prefix():
         expected = (j <= i) | (j < n)
         np.testing.assert_array_equal(got[e], np.broadcast_to(expected, got[e].shape))
     assert got[0].sum() > got[1].sum()  # the prefix adds keys for the first example
+
+
+def _papers_alibi_slopes(n):
+    """The ALiBi paper's reference code (ofirpress/attention_with_linear_biases), as it
+    is written there."""
+    def get_slopes_power_of_2(n):
+        start = (2 ** (-2 ** -(math.log2(n) - 3)))
+        ratio = start
+        return [start * ratio ** i for i in range(n)]
+
+    if math.log2(n).is_integer():
+        return get_slopes_power_of_2(n)
+    closest_power_of_2 = 2 ** math.floor(math.log2(n))
+    return (get_slopes_power_of_2(closest_power_of_2)
+            + _papers_alibi_slopes(2 * closest_power_of_2)[0::2][:n - closest_power_of_2])
+
+
+def test_alibi_slopes_are_the_papers_for_every_head_count():
+    """(for N not a power of two they were 2^(−8(n+1)/N), not the paper's: N = 12 up to
+    0.69 off, a model trained with ALiBi read with other slopes)"""
+    for n in range(1, 130):
+        np.testing.assert_allclose(scores.alibi_slopes(n), _papers_alibi_slopes(n),
+                                   rtol=1e-7, err_msg=f"N = {n}")
+
+
+def _t5_bucket_in_60_digits(relative_position, num_buckets, max_distance, bidirectional):
+    """T5's bucket as transformers' T5Attention._relative_position_bucket writes it, with
+    logarithms of 60 decimal digits: a quotient within 1e-40 of an integer is that
+    integer (as at distance 10 for 3 buckets a direction and max_distance 100, where
+    log(10)/log(100)·2 is 1)."""
+    decimal.getcontext().prec = 60
+    out = []
+    for relative in relative_position.tolist():
+        bucket, n, buckets = 0, -relative, num_buckets
+        if bidirectional:
+            buckets //= 2
+            bucket += buckets if n < 0 else 0
+            n = abs(n)
+        else:
+            n = max(n, 0)
+        exact = buckets // 2
+        if n < exact:
+            out.append(bucket + n)
+            continue
+        x = ((decimal.Decimal(n) / exact).ln() / (decimal.Decimal(max_distance) / exact).ln()
+             * (buckets - exact))
+        whole = x.to_integral_value()
+        k = int(whole) if abs(x - whole) < decimal.Decimal("1e-40") else math.floor(x)
+        out.append(bucket + min(exact + k, buckets - 1))
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_t5_buckets_are_exact_where_the_logarithm_is_a_whole_number(bidirectional):
+    """(float32 logarithms put such distances a bucket short: 6 buckets, max_distance 100,
+    bidirectional, ±10 in buckets 1 and 4 for T5's 2 and 5; 128 causal, −80 in 95 for
+    96)"""
+    relative = np.arange(-1100, 1101, dtype=np.int32)
+    for num_buckets, max_distance in ((6, 100), (128, 100), (32, 128), (8, 16), (10, 20),
+                                      (64, 1000), (16, 9), (4, 3)):
+        got = scores.relative_position_bucket(relative, num_buckets=num_buckets,
+                                              max_distance=max_distance,
+                                              bidirectional=bidirectional)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(
+            got, _t5_bucket_in_60_digits(relative, num_buckets, max_distance, bidirectional),
+            err_msg=f"num_buckets={num_buckets}, max_distance={max_distance}")
 
 
 def test_and_or_algebra():

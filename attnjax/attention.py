@@ -165,7 +165,8 @@ def dot_product_attention(
       sinks: float `[N]`, one learned logit per query head that joins every row's
         softmax denominator with a zero value vector (attention sinks); differentiable.
       dropout_rate: inverted dropout on the attention weights, in [0, 1); independent
-        per example and head.
+        per example and head. The masks drawn from one key differ by implementation
+        (the chunked kernel draws one per block, so its block sizes count too).
       dropout_rng: a `jax.random` key; required when dropout_rate > 0.
       dropout_broadcast: share one dropout mask across the batch and the heads
         (flax's `broadcast_dropout=True`) instead of drawing one per example and head.

@@ -595,6 +595,29 @@ def test_generate_fills_learned_positions_to_max_len(rng, padding_side):
     np.testing.assert_array_equal(out[:, 4:], jnp.argmax(logits[:, 3:], -1))
 
 
+def test_feed_forward_with_dropout_takes_deterministic_as_flax_modules_do(rng):
+    """FeedForward with dropout needs deterministic, here or at the call, as the blocks
+    and models do (its call's default had been True: dropout silently off in training)."""
+    x = _x(draws.host(rng), B, T, D)
+    ffn = nn.FeedForward(d_ff=16, dropout_rate=0.5)
+    params = ffn.init(jax.random.fold_in(rng, 1), x)   # init needs none
+    with pytest.raises(ValueError, match=r"FeedForward has dropout_rate=0.5, so "
+                                         r"deterministic is required"):
+        ffn.apply(params, x)
+    evaluated = ffn.apply(params, x, deterministic=True)
+    np.testing.assert_array_equal(
+        nn.FeedForward(d_ff=16, dropout_rate=0.5, deterministic=True).apply(params, x),
+        evaluated)
+    dropped = [module.apply(params, x, rngs={"dropout": jax.random.fold_in(rng, 2)}, **kw)
+               for module, kw in ((ffn, dict(deterministic=False)),
+                                  (ffn.clone(deterministic=False), {}))]
+    np.testing.assert_array_equal(dropped[0], dropped[1])
+    assert np.abs(np.asarray(dropped[0] - evaluated)).max() > 1e-3
+    # without dropout, deterministic may be left out
+    plain = nn.FeedForward(d_ff=16)
+    np.testing.assert_array_equal(plain.apply(params, x), evaluated)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(d_model=10, num_heads=4), "d_model must be divisible by num_heads"),
     (dict(num_kv_heads=3), "num_kv_heads must be a positive divisor of num_heads=4"),

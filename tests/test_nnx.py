@@ -264,6 +264,26 @@ def test_flax_errors():
         anx.models.FeedForward(D, 8, activation="silu", rngs=nnx.Rngs(0))
 
 
+def test_feed_forward_dropout_follows_train_and_eval(inputs):
+    """nnx's FeedForward drops out after model.train() and not after model.eval(), and
+    with neither (nor a call's deterministic) is refused (its call's default, True, had
+    overridden model.train(): dropout silently off in training)."""
+    x, _ = inputs
+    ffn = anx.models.FeedForward(D, 16, dropout_rate=0.5, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"FeedForward has dropout_rate=0.5, so "
+                                         r"deterministic is required"):
+        ffn(x)
+    evaluated = ffn(x, deterministic=True)
+    ffn.eval()
+    np.testing.assert_array_equal(ffn(x), evaluated)
+    ffn.train()
+    dropped = ffn(x, rngs=nnx.Rngs(dropout=1))
+    assert np.abs(np.asarray(dropped - evaluated)).max() > 1e-3
+    np.testing.assert_array_equal(ffn(x, rngs=nnx.Rngs(dropout=1)), dropped)
+    plain = anx.models.FeedForward(D, 16, rngs=nnx.Rngs(0))   # no dropout: none needed
+    assert plain(x).shape == x.shape
+
+
 def test_dropout_rate_one_runs_deterministic_as_in_flax_and_is_refused_dropping(inputs):
     x, y = inputs
     flax_mha, ours = _pair(0, num_heads=4, in_features=D, in_kv_features=DKV,

@@ -22,9 +22,10 @@ def check_choice(name: str, value, allowed: tuple) -> None:
 class FeedForward(nn.Module):
     """Position-wise Dense(d_ff) → activation → dropout → Dense(D, the input's width).
 
-    activation: "relu" or "gelu"; dropout_rate: on the hidden units, applied only when
-    the call's deterministic is False (its default, True, evaluates); dtype: the
-    computation's.
+    activation: "relu" or "gelu"; dropout_rate: on the hidden units; deterministic:
+    as in flax, a field or the call's (not both): False applies the dropout (with a
+    "dropout" rng), True evaluates; required when dropout_rate > 0 outside `init`, so
+    that dropout is never silently off in training; dtype: the computation's.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -39,10 +40,19 @@ class FeedForward(nn.Module):
     dropout_rate: float = 0.0
     activation: str = "relu"
     dtype: Any = jnp.float32
+    deterministic: bool | None = None
 
     @nn.compact
-    def __call__(self, x, *, deterministic: bool = True):
+    def __call__(self, x, *, deterministic: bool | None = None):
         check_choice("activation", self.activation, ACTIVATIONS)
+        if deterministic is None and self.deterministic is None:
+            if self.dropout_rate and not self.is_initializing():
+                raise ValueError(
+                    f"FeedForward has dropout_rate={self.dropout_rate}, so deterministic is "
+                    f"required: False to train (with rngs={{'dropout': key}}), True to "
+                    f"evaluate, given to the call or the constructor; got neither")
+            deterministic = True
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
         act = {"relu": nn.relu, "gelu": nn.gelu}[self.activation]
         # [B, L, F]
         hidden = act(nn.Dense(self.d_ff, dtype=self.dtype, name="wi",

@@ -36,19 +36,43 @@ from attnjax.nnx.attention import (MultiHeadAttention, caches_unchanged_on_error
                                    write_cache)
 
 
-class FeedForward(nnx.Module):
+class _Viewed:
+    """`set_view` for a module with a `deterministic` attribute, which `nnx.view(model,
+    deterministic=...)` sets as `model.eval()` and `model.train()` do."""
+
+    def set_view(self, deterministic: bool | None = None):
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+
+class FeedForward(_Viewed, nnx.Module):
     """Position-wise Linear(d_ff) → activation → dropout → Linear(d_model): params
-    wi, wo."""
+    wi, wo. deterministic: the call's, else the module's (`model.train()` /
+    `model.eval()` set it); required when dropout_rate > 0, so that dropout is never
+    silently off in training."""
 
     def __init__(self, d_model: int, d_ff: int, dropout_rate: float = 0.0,
-                 activation: str = "relu", dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
+                 activation: str = "relu", dtype: Any = jnp.float32, *,
+                 deterministic: bool | None = None, rngs: nnx.Rngs):
         check_choice("activation", activation, ACTIVATIONS)
         self.activation = activation
+        self.deterministic = deterministic
         self.wi = nnx.Linear(d_model, d_ff, dtype=dtype, rngs=rngs)
         self.wo = nnx.Linear(d_ff, d_model, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(dropout_rate)
 
-    def __call__(self, x, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
+    def __call__(self, x, *, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | None = None):
+        if deterministic is None:
+            deterministic = self.deterministic
+        if deterministic is None:
+            if self.dropout.rate:
+                raise ValueError(
+                    f"FeedForward has dropout_rate={self.dropout.rate}, so deterministic is "
+                    f"required: False to train (with rngs=nnx.Rngs(dropout=key)), True to "
+                    f"evaluate, given to the call or set on the module (model.train(), "
+                    f"model.eval()); got neither")
+            deterministic = True
         act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}[self.activation]
         # [B, L, F]
         hidden = self.dropout(act(self.wi(x)), deterministic=deterministic, rngs=rngs)
@@ -111,15 +135,6 @@ def _attention(config, *, rngs, **kw) -> MultiHeadAttention:
         use_sinks=config.attention_sinks, score=config.attention_score,
         dtype=jnp.dtype(config.dtype), keep_rngs=False,
         rngs=rngs, **kw)
-
-
-class _Viewed:
-    """`set_view` for a module with a `deterministic` attribute, which `nnx.view(model,
-    deterministic=...)` sets as `model.eval()` and `model.train()` do."""
-
-    def set_view(self, deterministic: bool | None = None):
-        if deterministic is not None:
-            self.deterministic = deterministic
 
 
 class _Residual(nnx.Module):

@@ -3,6 +3,7 @@ of a run of several that never all connect: exit 1 once they have waited, 130 on
 Ctrl-C), and a run that never began leaves its workdir as it was (no config.yaml that
 would refuse the corrected command, no run deleted by --force-new)."""
 
+import functools
 import os
 import select
 import signal
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from attnjax.toy import cli
@@ -344,6 +347,46 @@ def test_a_second_ctrl_c_before_the_run_began_leaves_no_new_workdir(tmp_path, mo
             cli.run(config, held, stop=stop)
     assert {p.relative_to(held): p.read_bytes() if p.is_file() else None
             for p in held.rglob("*") if p.name != cli.LOCK} == before
+
+
+def test_the_loop_runs_at_most_one_step_ahead_of_the_steps_finished(tmp_path, monkeypatch):
+    """When the loop draws step p's batch, steps up to p − 2 have finished, so a stop
+    request (a preemption's SIGTERM) is honoured within about two steps. (The loop had
+    queued every step up to the next log line: with slow steps, a grace period could
+    pass before the run stopped.) Here each step is made slow (a product chain after it)."""
+    # (no log line before the stop, which would wait for the steps; the train step is
+    # the other tests' program)
+    config = load_config(ROOT / "configs" / "copy.yaml", TINY + ["log_every=5"])
+    draws = np.random.default_rng()
+    square = jnp.asarray(draws.standard_normal((256, 256)) / 16, jnp.float32)
+    slow = jax.jit(lambda a: functools.reduce(lambda b, _: jnp.tanh(b @ b), range(24), a))
+    make_step, draw_batch = training.make_train_step, training.train_batch
+    finished, metrics_of_steps = [], []
+
+    def slowed_step(*args, **kwargs):
+        step = make_step(*args, **kwargs)
+
+        def run(state, batch):
+            state, metrics = step(state, batch)
+            metrics = dict(metrics, loss=metrics["loss"] + 0 * slow(square)[0, 0])
+            metrics_of_steps.append(metrics["loss"])
+            return state, metrics
+        run.lower = step.lower   # compiled ahead, while the parameters are initialised
+        return run
+
+    def batch(task, config, step, mesh):   # the batch of loop step `step + 1`
+        finished.append((step + 1, sum(m.is_ready() for m in metrics_of_steps)))
+        if step + 1 == 4:
+            stop.signum = signal.SIGINT   # as a Ctrl-C while the batch is drawn sets it
+        return draw_batch(task, config, step, mesh)
+
+    monkeypatch.setattr(training, "make_train_step", slowed_step)
+    monkeypatch.setattr(training, "train_batch", batch)
+    with as_users_run(), cli.StopRequests() as stop:
+        with pytest.raises(cli.Interrupted, match="at step 4; saved a checkpoint of step 4"):
+            cli.run(config, tmp_path / "run", interactive=False, stop=stop)
+    assert [p for p, _ in finished] == [1, 2, 3, 4]
+    assert all(done >= p - 2 for p, done in finished), finished
 
 
 def test_ctrl_c_before_the_first_step_says_the_checkpoints_held_are_as_they_were(tmp_path):

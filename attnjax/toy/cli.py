@@ -598,10 +598,18 @@ def _train(config: Config, workdir: Path, mesh, interactive, stop: StopRequests,
             stop.stop_if_requested(begun)
 
         eval_record, predictions = None, None
+        running = None   # the metrics of the step dispatched before this one
         for step in range(start + 1, config.steps + 1):
             state, step_metrics = train_step(
                 state, training.train_batch(task, config, step - 1, mesh))
             window.add(step_metrics)
+            # One step queued behind the one running, no more: the next batch is drawn
+            # while a step runs, and a stop request (a preemption's SIGTERM) is honoured
+            # within about two steps, not after every step queued up to the next log
+            # line (log_every of them, which a slow step makes long)
+            if running is not None:
+                jax.block_until_ready(running)
+            running = step_metrics
             progress.advance()
             last = step == config.steps
             if step % config.log_every == 0 or last:

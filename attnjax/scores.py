@@ -342,6 +342,9 @@ def relative_position_bucket(relative_position, *, num_buckets: int, max_distanc
     """
     _check_buckets(num_buckets, max_distance, bidirectional)
     relative_position = jnp.asarray(relative_position)
+    if not jnp.issubdtype(relative_position.dtype, jnp.integer):
+        raise TypeError(f"relative_position must be an integer array (k_pos − q_pos); got "
+                        f"{relative_position.dtype}")
     bucket = jnp.zeros_like(relative_position)
     n = -relative_position
     if bidirectional:
@@ -353,40 +356,49 @@ def relative_position_bucket(relative_position, *, num_buckets: int, max_distanc
     exact = num_buckets // 2
     spread = num_buckets - exact
     # log of at least `exact`, so that no log(0) is ever formed; at most one bucket off
-    far = jnp.maximum(n, exact).astype(jnp.float32)
-    k = (jnp.log(far / exact) / math.log(max_distance / exact) * spread).astype(n.dtype)
-    k = jnp.clip(k, 0, spread - 1)
+    far = jnp.maximum(n, exact)
+    k = jnp.log(far.astype(jnp.float32) / exact) / math.log(max_distance / exact) * spread
+    k = jnp.clip(k.astype(jnp.int32), 0, spread - 1)
     # made exact by the distances where each bucket starts (where float32 logarithms
     # rounded below an integer, as at n = 10 for 3 buckets and max_distance 100, it
-    # was a bucket short of T5's)
-    starts = jnp.asarray(_bucket_starts(num_buckets, max_distance)).astype(n.dtype)
-    k = k + (n >= starts[k + 1]).astype(k.dtype) - (n < starts[k]).astype(k.dtype)
-    log_bucket = exact + jnp.minimum(k, spread - 1)
+    # was a bucket short of T5's); compared unsigned, in 32 bits at least, so that a
+    # start past the positions' range stays out of reach
+    wide = np.dtype(np.uint64 if n.dtype.itemsize == 8 else np.uint32)
+    starts = jnp.asarray([min(start, np.iinfo(wide).max)
+                          for start in _bucket_starts(num_buckets, max_distance)], wide)
+    far = far.astype(wide)
+    k = k + (far >= starts[k + 1]).astype(k.dtype) - (far < starts[k]).astype(k.dtype)
+    log_bucket = (exact + jnp.minimum(k, spread - 1)).astype(bucket.dtype)
     return bucket + jnp.where(n < exact, n, log_bucket)
 
 
 @functools.lru_cache(maxsize=64)
-def _bucket_starts(buckets: int, max_distance: int) -> np.ndarray:
-    """[buckets − exact + 1] the first distance of each of a direction's logarithmic
-    buckets, then max_distance (from where the last one holds every distance), for
-    `buckets` a direction with exact = buckets // 2 distances of their own: the k-th is the
-    least d with k ≤ (buckets − exact)·log(d / exact) / log(max_distance / exact), in
-    integers max_distance^k · exact^(buckets − exact) ≤ d^(buckets − exact) · exact^k."""
+def _bucket_starts(buckets: int, max_distance: int) -> tuple[int, ...]:
+    """The first distance of each of a direction's logarithmic buckets, then
+    max_distance (from where the last one holds every distance), for `buckets` a
+    direction with exact = buckets // 2 distances of their own: the k-th is the least d
+    with k ≤ (buckets − exact)·log(d / exact) / log(max_distance / exact), in integers
+    max_distance^k · exact^(buckets − exact) ≤ d^(buckets − exact) · exact^k."""
     exact = buckets // 2
     spread = buckets - exact
+    step = math.log(max_distance / exact)
 
     def reaches(d, k):
+        # float64 where it tells, the integers where d is within rounding of the start
+        gap = spread * math.log(d / exact) - k * step
+        if abs(gap) > 1e-6:
+            return gap > 0
         return max_distance ** k * exact ** spread <= d ** spread * exact ** k
 
     starts = []
     for k in range(spread + 1):
-        d = max(exact, math.ceil(exact * (max_distance / exact) ** (k / spread)))
+        d = max(exact, math.ceil(exact * math.exp(k * step / spread)))
         while d > exact and reaches(d - 1, k):
             d -= 1
         while not reaches(d, k):
             d += 1
         starts.append(d)
-    return np.asarray(starts, np.int64)
+    return tuple(starts)
 
 
 def _check_buckets(num_buckets, max_distance, bidirectional) -> None:

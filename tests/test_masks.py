@@ -681,6 +681,17 @@ def test_t5_buckets_are_exact_where_the_logarithm_is_a_whole_number(bidirectiona
         np.testing.assert_array_equal(
             got, _t5_bucket_in_60_digits(relative, num_buckets, max_distance, bidirectional),
             err_msg=f"num_buckets={num_buckets}, max_distance={max_distance}")
+    # narrower positions, max_distance beyond their range (a bucket's start had wrapped
+    # around to a negative number: int8, -127 in bucket 15 for 14)
+    for dtype, max_distance in ((np.int8, 300), (np.int16, 40000)):
+        relative = np.arange(np.iinfo(dtype).min + 1, np.iinfo(dtype).max + 1, dtype=dtype)
+        got = scores.relative_position_bucket(relative, num_buckets=32,
+                                              max_distance=max_distance,
+                                              bidirectional=bidirectional)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(
+            got, _t5_bucket_in_60_digits(relative, 32, max_distance, bidirectional),
+            err_msg=f"{np.dtype(dtype).name} positions, max_distance={max_distance}")
 
 
 def test_and_or_algebra():
@@ -867,6 +878,9 @@ MISTAKES = [
     ("bucket_too_few", lambda: scores.relative_position_bucket(
         jnp.arange(3), num_buckets=3, max_distance=8, bidirectional=True),
      ValueError, r"num_buckets must be an int ≥ 4"),
+    ("bucket_of_floats", lambda: scores.relative_position_bucket(
+        jnp.arange(3.0), num_buckets=8, max_distance=16, bidirectional=True),
+     TypeError, r"relative_position must be an integer array \(k_pos − q_pos\); got float"),
     ("alibi_rank", lambda: _plain(scores.alibi)(jnp.ones((2, 3), jnp.float32)), ValueError,
      r"alibi slopes must be a float array \[N\]; got float32 \[2, 3\]"),
     # known NaN or +inf values: every output of their heads NaN, silently, before

@@ -426,6 +426,24 @@ def test_view_deterministic_is_eval_mode_for_the_models(tokens):
     assert not np.allclose(dropped, evaluated)
 
 
+@pytest.mark.parametrize("kind", ["decoder_only", "transformer"])
+def test_a_decoding_view_of_a_model_is_refused_for_init_cache(kind):
+    """nnx.view(model, decode=True, batch_size=..., max_length=...) had switched every
+    attention layer (the encoder's and cross-attention's too) and no position counter:
+    a DecoderOnly view decoded every token at position 0 (1.33 off the full pass), a
+    Transformer's failed in its encoder with a cache overrun. The models and blocks
+    refuse it, naming init_cache; a deterministic view is unchanged."""
+    linen = (nn.DecoderOnly(DECODER_ONLY) if kind == "decoder_only"
+             else nn.Transformer(TRANSFORMER))
+    model = counterpart(linen, rngs=nnx.Rngs(7))
+    for sizes in (dict(decode=True, batch_size=2, max_length=6), dict(decode=False),
+                  dict(max_length=6)):
+        with pytest.raises(ValueError, match=r"nnx.view: attnjax.nnx's blocks and models .* "
+                                             r"take deterministic only; got .*init_cache"):
+            nnx.view(model, **sizes)
+    assert nnx.view(model, deterministic=True).deterministic is True
+
+
 def test_nnx_decoder_only_decodes_on_its_cache(tokens):
     _, _, seq = tokens
     linen = nn.DecoderOnly(DECODER_ONLY)

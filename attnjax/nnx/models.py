@@ -45,6 +45,27 @@ class _Viewed:
             self.deterministic = deterministic
 
 
+class _ViewedModel(_Viewed):
+    """`set_view` for the blocks and models: deterministic, and a clear refusal of the
+    decoding views, which would reach every attention layer (an encoder's and the
+    cross-attention's too) but not the position counters: built with decode=True and
+    sized by init_cache, a model decodes (a view of it had decoded every token at
+    position 0, silently)."""
+
+    def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
+                 batch_size=None, max_length: int | None = None):
+        given = {name: value for name, value in (("decode", decode), ("batch_size", batch_size),
+                                                 ("max_length", max_length))
+                 if value is not None}
+        if given:
+            raise ValueError(
+                f"nnx.view: attnjax.nnx's blocks and models (here a {type(self).__name__}) "
+                f"take deterministic only; got {', '.join(given)}: build the model with "
+                f"decode=True and call its init_cache(batch_size, max_length) "
+                f"(attnjax.nnx.MultiHeadAttention alone takes them in a view)")
+        super().set_view(deterministic)
+
+
 class FeedForward(_Viewed, nnx.Module):
     """Position-wise Linear(d_ff) → activation → dropout → Linear(d_model): params
     wi, wo. deterministic: the call's, else the module's (`model.train()` /
@@ -174,7 +195,7 @@ def _pair(positions):
     return None if positions is None else (positions, positions)
 
 
-class EncoderBlock(_Viewed, nnx.Module):
+class EncoderBlock(_ViewedModel, nnx.Module):
     """Self-attention over the source, then the feed-forward network."""
 
     def __init__(self, config, *, deterministic: bool | None = None, rngs: nnx.Rngs):
@@ -200,7 +221,7 @@ class EncoderBlock(_Viewed, nnx.Module):
             deterministic=deterministic, rngs=rngs)
 
 
-class DecoderBlock(_Viewed, nnx.Module):
+class DecoderBlock(_ViewedModel, nnx.Module):
     """Causal self-attention, cross-attention to the encoder (cross=True), feed-forward."""
 
     def __init__(self, config, decode: bool = False, cross: bool = True, *,
@@ -314,7 +335,7 @@ def _init_caches(model, batch_size: int, max_length: int, dtype) -> None:
             module.init_cache()
 
 
-class Transformer(_Viewed, nnx.Module):
+class Transformer(_ViewedModel, nnx.Module):
     """Encoder–decoder Transformer: `(src [B, S], tgt [B, T]) -> logits [B, T, V_tgt]`,
     as `attnjax.nn.Transformer` (the same arguments, plus rngs for dropout)."""
 
@@ -381,7 +402,7 @@ class Transformer(_Viewed, nnx.Module):
                                   rngs=rngs)
 
 
-class DecoderOnly(_Viewed, nnx.Module):
+class DecoderOnly(_ViewedModel, nnx.Module):
     """A causal language model: `tokens [B, L] -> logits [B, L, V]`, as
     `attnjax.nn.DecoderOnly` (the same arguments, plus rngs for dropout)."""
 

@@ -330,6 +330,18 @@ def test_dtype_none_promotes_inputs_and_parameters_as_flax(rng):
     got = _jit(ours.apply, variables, x)
     assert got.dtype == expected.dtype == jnp.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # with the parameters it holds, not the param_dtype it declares: bfloat16 parameters
+    # loaded into a module of float32 param_dtype compute in bfloat16 (they had computed,
+    # returned and sown float32)
+    half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _perturbed(variables, rng))
+    expected, theirs_sown = _flax_apply(theirs, half, x, sow_weights=True,
+                                        mutable=["intermediates"])
+    got, ours_sown = _jit(ours.apply, half, x, sow_weights=True, mutable=["intermediates"])
+    assert got.dtype == expected.dtype == jnp.bfloat16
+    assert jax.tree.map(lambda w: w.dtype, ours_sown) == jax.tree.map(lambda w: w.dtype,
+                                                                      theirs_sown)
+    np.testing.assert_allclose(got.astype(jnp.float32), expected.astype(jnp.float32),
+                               atol=0.05)
 
 
 # --- fields --------------------------------------------------------------------------------

@@ -254,7 +254,11 @@ class MultiHeadDotProductAttention(nn.Module):
             use_sinks=self.use_sinks, cache_key_value=self.cache_key_value)
         _checks.check_sinks_init(self.use_sinks, self.sinks_init)
         inputs_q, inputs_k, inputs_v = _inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
-        dtype = self.dtype or _promoted_dtype((inputs_q, inputs_k, inputs_v), self.param_dtype)
+        # flax's dtype=None promotes with the parameters held (bfloat16 ones loaded into
+        # a module declaring float32 compute in bfloat16, as flax's), else param_dtype
+        held = [x.dtype for x in jax.tree.leaves(self.variables.get("params", {}))]
+        dtype = self.dtype or _promoted_dtype((inputs_q, inputs_k, inputs_v),
+                                              *(held or [self.param_dtype]))
         inputs_q, inputs_k, inputs_v = (x.astype(dtype) for x in (inputs_q, inputs_k, inputs_v))
         shapes = self._shapes(inputs_q.shape[-1], inputs_k.shape[-1], inputs_v.shape[-1])
         qkv = functools.partial(self._projection, dot_general=self.qkv_dot_general,
@@ -519,11 +523,12 @@ def _inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
     return q, k, v
 
 
-def _promoted_dtype(arrays, param_dtype):
+def _promoted_dtype(arrays, *param_dtypes):
     """flax's dtype=None: the inputs' and the parameters' dtypes promoted together, by
     jax's standard rules (flax's promote_dtype) whatever the caller's promotion mode."""
     with jax.numpy_dtype_promotion("standard"):
-        return functools.reduce(jnp.promote_types, [x.dtype for x in arrays], param_dtype)
+        return functools.reduce(jnp.promote_types,
+                                [x.dtype for x in arrays] + list(param_dtypes))
 
 
 def _flat_mask(mask, batch: tuple[int, ...]):

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import numpy as np
 
 
 def dataclass(*, data: tuple[str, ...] = (), meta: tuple[str, ...] = ()):
@@ -40,5 +41,33 @@ def dataclass(*, data: tuple[str, ...] = (), meta: tuple[str, ...] = ()):
             return x
 
         jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+
+        def equal(x, y):
+            # as the dataclass's, but arrays compare as wholes (`==` compared them
+            # elementwise, and Python then asked numpy for one truth value: an error)
+            if type(y) is not cls:
+                return NotImplemented
+            return (all(getattr(x, name) == getattr(y, name) for name in meta)
+                    and _same_data([getattr(x, name) for name in data],
+                                   [getattr(y, name) for name in data]))
+
+        cls.__eq__ = equal   # (the dataclass's __hash__ stays: arrays are unhashable)
         return cls
     return register
+
+
+def _same_data(x, y) -> bool:
+    """The same tree, each leaf the same object or an array of the same shape, dtype and
+    values (a traced one only as the same object)."""
+    x_leaves, x_tree = jax.tree.flatten(x)
+    y_leaves, y_tree = jax.tree.flatten(y)
+    return x_tree == y_tree and all(_same_leaf(a, b) for a, b in zip(x_leaves, y_leaves))
+
+
+def _same_leaf(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+        return False
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))

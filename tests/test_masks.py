@@ -878,6 +878,11 @@ MISTAKES = [
     ("bucket_too_few", lambda: scores.relative_position_bucket(
         jnp.arange(3), num_buckets=3, max_distance=8, bidirectional=True),
      ValueError, r"num_buckets must be an int ≥ 4"),
+    # a negative prefix, silently none before (window and chunked_causal refused theirs)
+    ("prefix_negative", lambda: masks.prefix(-1), ValueError,
+     r"prefix length must be ≥ 0 \(a number of positions\); got -1"),
+    ("prefix_negative_array", lambda: masks.prefix(np.array([2, -3])), ValueError,
+     r"prefix length must be ≥ 0 \(a number of positions\); got -3"),
     ("bucket_of_floats", lambda: scores.relative_position_bucket(
         jnp.arange(3.0), num_buckets=8, max_distance=16, bidirectional=True),
      TypeError, r"relative_position must be an integer array \(k_pos − q_pos\); got float"),
@@ -1108,6 +1113,23 @@ def test_check_grads_with_a_score_mod_and_sinks(implementation):
 
     jax.test_util.check_grads(jax.jit(fn), (q, key, value, sinks, slopes, u), order=1,
                               modes=("rev",))
+
+
+def test_masks_holding_arrays_compare_by_their_values():
+    """(== of two masks holding arrays was numpy's "truth value of an array ... is
+    ambiguous" error, whether the arrays were equal or not)"""
+    generator = np.random.default_rng()
+    ids = generator.integers(0, 3, (2, 9))
+    same = masks.segments(ids) & masks.causal() | masks.prefix(np.array([2, 3]))
+    assert same == (masks.segments(ids.copy()) & masks.causal()
+                    | masks.prefix(np.array([2, 3])))
+    other = ids.copy()
+    other[1, 4] += 1
+    assert same != (masks.segments(other) & masks.causal() | masks.prefix(np.array([2, 3])))
+    assert masks.segments(ids) != masks.segments(ids.astype(np.int64)[:, :8])
+    assert masks.lengths(np.array([3, 5]), np.array([4, 6])) != masks.lengths(
+        np.array([3, 5]), np.array([4, 7]))
+    assert masks.window(2, 0) == masks.window(2, 0) != masks.window(3, 0)
 
 
 def test_masks_of_different_rules_have_different_tree_structures():

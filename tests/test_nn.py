@@ -634,6 +634,23 @@ def test_config_errors(kwargs, message):
         nn.TransformerConfig(**(base | kwargs))
 
 
+@pytest.mark.usefixtures("own_checks_only")   # as users run it: no runtime type checks
+def test_config_numbers_of_any_kind_are_stored_as_python_s():
+    """A NumPy or jax number in a config is stored as Python's: np.float32(0.1) as a
+    rate had been refused ("must lie in [0, 1)"), jnp.float32(5.0) as a cap made the
+    config unhashable (a module's static argument), np.int64 widths were kept as such."""
+    plain = nn.DecoderOnlyConfig(vocab_size=13, d_model=16, num_heads=2, dropout_rate=0.1,
+                                 attention_soft_cap=5.0)
+    numpy_numbers = nn.DecoderOnlyConfig(
+        vocab_size=np.int64(13), d_model=np.int32(16), num_heads=2,
+        dropout_rate=np.float32(0.1), attention_soft_cap=jnp.float32(5.0))
+    assert numpy_numbers == plain and hash(numpy_numbers) == hash(plain)
+    assert repr(numpy_numbers) == repr(plain)
+    assert (type(numpy_numbers.d_model), type(numpy_numbers.dropout_rate)) == (int, float)
+    with pytest.raises(ValueError, match=r"dropout_rate must lie in \[0, 1\); got 1.5"):
+        nn.DecoderOnlyConfig(vocab_size=13, num_heads=2, dropout_rate=np.float32(1.5))
+
+
 @pytest.mark.usefixtures("own_checks_only")
 @pytest.mark.parametrize("kwargs, message", [
     # a switch is a bool ("no" had built pre-LN), a count is not

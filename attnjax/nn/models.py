@@ -65,6 +65,24 @@ def _check_config(config, unused: tuple[str, ...] = ()) -> None:
     check_score(config.attention_score, config.implementation, "attention_score")
 
 
+def _plain_numbers(config) -> None:
+    """A config's numbers of any kind (NumPy's, a concrete jax scalar) stored as Python's,
+    so that the config stays hashable and reads plainly (a jnp.float32 cap had made it
+    unhashable, a np.float32 rate had been refused as out of range)."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is None or isinstance(value, (bool, str)):
+            continue
+        try:
+            number = np.asarray(value)
+        except Exception:   # a tracer, say: the checks name it
+            continue
+        if number.shape == () and number.dtype.kind in "iuf":
+            # a float by its shortest decimal: np.float32(0.1) as 0.1
+            object.__setattr__(config, field.name, float(str(number[()]))
+                               if number.dtype.kind == "f" else int(number))
+
+
 def _dtype_name(dtype) -> str:
     """A config's dtype as its name: a string, a jnp/numpy dtype or scalar type alike."""
     try:
@@ -115,6 +133,7 @@ class BlockConfig:
     def __post_init__(self):
         # jnp.bfloat16 and "bfloat16" are one config (equal, hashable, written as a name)
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+        _plain_numbers(self)
         _check_config(self, self._unused_fields())
 
     def _unused_fields(self) -> tuple[str, ...]:

@@ -860,9 +860,9 @@ def prefix(length: int | Int[ArrayLike, "*B"]) -> Mask:
         raise TypeError(f"prefix length must be an int or an int array [B]; got {length!r}")
     if not isinstance(length, jax.core.Tracer) and np.size(length):
         shortest = np.min(np.asarray(length))
-        if shortest < 0:   # (a prefix of none is 0; window and chunked_causal refuse theirs)
-            raise ValueError(f"prefix length must be ≥ 0 (a number of positions); got "
-                             f"{shortest}")
+        if shortest < 0:   # refused when made, as a call refused it (and window's)
+            raise ValueError(f"prefix length must be non-negative (a number of positions); "
+                             f"got {shortest}")
     return Mask(Prefix(length))
 
 

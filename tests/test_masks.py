@@ -878,11 +878,11 @@ MISTAKES = [
     ("bucket_too_few", lambda: scores.relative_position_bucket(
         jnp.arange(3), num_buckets=3, max_distance=8, bidirectional=True),
      ValueError, r"num_buckets must be an int ≥ 4"),
-    # a negative prefix, silently none before (window and chunked_causal refused theirs)
+    # a negative prefix, refused when made (it was when called)
     ("prefix_negative", lambda: masks.prefix(-1), ValueError,
-     r"prefix length must be ≥ 0 \(a number of positions\); got -1"),
+     r"prefix length must be non-negative \(a number of positions\); got -1"),
     ("prefix_negative_array", lambda: masks.prefix(np.array([2, -3])), ValueError,
-     r"prefix length must be ≥ 0 \(a number of positions\); got -3"),
+     r"prefix length must be non-negative \(a number of positions\); got -3"),
     ("bucket_of_floats", lambda: scores.relative_position_bucket(
         jnp.arange(3.0), num_buckets=8, max_distance=16, bidirectional=True),
      TypeError, r"relative_position must be an integer array \(k_pos − q_pos\); got float"),

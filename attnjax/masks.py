@@ -211,9 +211,8 @@ class Shape:
             if bad is not None:
                 raise ValueError(f"{name} must lie in int32's range [{low}, {high}]; got "
                                  f"{bad} (dtype {known.dtype})")
-            if count and known.size and known.min() < 0:
-                raise ValueError(f"{name} must be non-negative (a number of positions); "
-                                 f"got {known.min()}")
+            if count:
+                _check_counts(name, known)
             # laid out on the host and put on the device as it is: no program compiles
             # (jnp.asarray, astype and indexing would each compile one per shape)
             x = known.astype(np.int32)
@@ -839,6 +838,17 @@ def segments(query_ids: Int[ArrayLike, "*B T"], key_ids: Int[ArrayLike, "*B S"] 
     return Mask(Segments(query_ids, key_ids))
 
 
+def _check_counts(name: str, counts) -> None:
+    """Known numbers of positions (an int or an array; a traced one is not known) must be
+    non-negative."""
+    if isinstance(counts, jax.core.Tracer) or not np.size(counts):
+        return
+    shortest = np.min(np.asarray(counts))
+    if shortest < 0:
+        raise ValueError(f"{name} must be non-negative (a number of positions); got "
+                         f"{shortest}")
+
+
 def prefix(length: int | Int[ArrayLike, "*B"]) -> Mask:
     """Keys below `length` are seen by every query (prefix-LM).
 
@@ -858,11 +868,7 @@ def prefix(length: int | Int[ArrayLike, "*B"]) -> Mask:
     if isinstance(length, bool) or not (isinstance(length, (int, np.integer))
                                         or hasattr(length, "dtype")):
         raise TypeError(f"prefix length must be an int or an int array [B]; got {length!r}")
-    if not isinstance(length, jax.core.Tracer) and np.size(length):
-        shortest = np.min(np.asarray(length))
-        if shortest < 0:   # refused when made, as a call refused it (and window's)
-            raise ValueError(f"prefix length must be non-negative (a number of positions); "
-                             f"got {shortest}")
+    _check_counts("prefix length", length)   # when made, as a call checked it
     return Mask(Prefix(length))
 
 
@@ -971,11 +977,7 @@ def padding_mask(lengths: Int[ArrayLike, " B"], max_length: int) -> Bool[Array, 
         max_length = -1
     if max_length < 0:
         raise ValueError(f"max_length must be an int ≥ 0; got {max_length!r}")
-    if not isinstance(lengths, jax.core.Tracer) and lengths.size:
-        shortest = np.asarray(lengths).min()
-        if shortest < 0:
-            raise ValueError(f"lengths must be non-negative (a number of positions); got "
-                             f"{shortest}")
+    _check_counts("lengths", lengths)
     # [1, L]
     pos = lax.broadcasted_iota(jnp.int32, (1, max_length), 1)
     return pos < lengths.astype(jnp.int32)[:, None]

@@ -268,8 +268,7 @@ def _claim_workdir(workdir: Path, config: Config, force_new: bool,
             os.close(lock)
         if created and primary:   # the workdir this call made (a full disk, say) goes
             with contextlib.suppress(OSError):
-                (workdir / LOCK).unlink(missing_ok=True)
-                workdir.rmdir()
+                _remove_unbegun(workdir)
         raise _workdir_error(workdir, e, "nothing was written") from None
     except ConfigError:
         if lock is not None:
